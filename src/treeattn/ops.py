@@ -1,0 +1,183 @@
+"""Public operators: check every argument, plan the batch, dispatch to a backend."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backends import get_backend
+from .plan import TreeAttentionPlan, check_index_tensor
+from .rope import RoPE
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_float(x, name: str, ndim: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} has dtype {x.dtype}, expected {dtype} (the dtype of q)")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device}, expected {device} (all inputs of one call on one device)")
+    if x.numel() and x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+
+
+def _check_heads(h_q: int, h_kv: int, d_q: int, d_kv: int, kv_name: str) -> None:
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"q has {h_q} heads, which must be a multiple of {kv_name}'s {h_kv} KV heads (GQA groups)")
+    if d_q != d_kv:
+        raise ValueError(f"q has head dim {d_q} but {kv_name} has head dim {d_kv}")
+    if d_q == 0:
+        raise ValueError("head dim must be positive")
+
+
+def resolve_sm_scale(sm_scale, head_dim: int) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, torch.Tensor) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a Python float, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be finite and > 0, got {sm_scale}")
+    return float(sm_scale)
+
+
+def _outputs(q: torch.Tensor, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, heads, dim = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_float(out, "out", 3, q.dtype, q.device)
+        if tuple(out.shape) != (rows, heads, dim) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor of shape {(rows, heads, dim)}, got {tuple(out.shape)}")
+    if lse is None:
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
+    else:
+        if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
+            raise TypeError(f"lse must be a float32 tensor, got {getattr(lse, 'dtype', type(lse).__name__)}")
+        if lse.device != q.device:
+            raise ValueError(f"lse is on {lse.device}, expected {q.device}")
+        if tuple(lse.shape) != (rows, heads) or not lse.is_contiguous():
+            raise ValueError(f"lse must be a contiguous tensor of shape {(rows, heads)}, got {tuple(lse.shape)}")
+    return out, lse
+
+
+def _check_positions(pos, name: str, length: int, device: torch.device) -> torch.Tensor:
+    pos = check_index_tensor(pos, name, device=device)
+    if pos.shape[0] != length:
+        raise ValueError(f"{name} must have shape [{length}], got {tuple(pos.shape)}")
+    if pos.numel() and int(pos.min()) < 0:
+        raise ValueError(f"{name} must be non-negative")
+    return pos
+
+
+def _check_plan(plan, kind: str) -> None:
+    if not isinstance(plan, TreeAttentionPlan) or plan.kind != kind:
+        raise TypeError(f"plan must be a TreeAttentionPlan built with TreeAttentionPlan.{kind}(...)")
+
+
+def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_scale=None, rope=None,
+                   q_positions=None, k_positions=None, out=None, lse=None, backend=None, plan=None):
+    """Tree attention over ragged keys/values (TVM ``tree_attn``). Returns ``(out, lse)``.
+
+    ``q [Lq, h_q, d]``, ``k``/``v [Lkv, h_kv, d]``; request ``b``'s query rows are
+    ``q[q_indptr[b]:q_indptr[b+1]]`` and its keys ``k[kv_indptr[b]:kv_indptr[b+1]]``; its tree
+    (``tree_order[tree_indptr[b]:tree_indptr[b+1]]``) is the last keys, its queries the last nodes.
+    Each row sees the whole prefix plus its ancestors. ``lse`` is base 2 of the scaled scores.
+    With ``rope``, q and k are rotated at ``q_positions``/``k_positions`` first.
+    ``plan`` (from ``TreeAttentionPlan.ragged``) skips re-checking the index arrays.
+    """
+    _check_float(q, "q", 3)
+    _check_float(k, "k", 3, q.dtype, q.device)
+    _check_float(v, "v", 3, q.dtype, q.device)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k")
+    if plan is None:
+        plan = TreeAttentionPlan.ragged(q_indptr, kv_indptr, tree_indptr, tree_order,
+                                        total_q=q.shape[0], total_kv=k.shape[0], device=q.device)
+    else:
+        _check_plan(plan, "ragged")
+        if plan.device != q.device or plan.total_q != q.shape[0] or int(plan.kv_lens.sum()) != k.shape[0]:
+            raise ValueError("plan was built for a different batch: its lengths or device do not match q/k")
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[2])
+    if rope is not None:
+        if not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be a treeattn.RoPE, got {type(rope).__name__}")
+        if q.shape[2] % 2:
+            raise ValueError(f"rope needs an even head dim, got {q.shape[2]}")
+        if q_positions is None:
+            raise ValueError("rope needs q_positions (the RoPE position of every query row, [Lq] int32)")
+        q_positions = _check_positions(q_positions, "q_positions", q.shape[0], q.device)
+        if k_positions is None:
+            if not plan.same_q_and_kv_layout():
+                raise ValueError("k_positions is required with rope unless kv_indptr == q_indptr "
+                                 "(k_positions defaults to q_positions, as in TVM)")
+            k_positions = q_positions
+        else:
+            k_positions = _check_positions(k_positions, "k_positions", k.shape[0], q.device)
+    elif q_positions is not None or k_positions is not None:
+        raise ValueError("q_positions/k_positions are only used with rope; pass rope=treeattn.RoPE(...)")
+    out, lse = _outputs(q, out, lse)
+    get_backend(backend, q.device).tree_attention(
+        q, k, v, plan, sm_scale=sm_scale, rope=rope, q_positions=q_positions, k_positions=k_positions,
+        out=out, lse=lse)
+    return out, lse
+
+
+def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_page_len, tree_indptr,
+                         tree_order, *, sm_scale=None, out=None, lse=None, backend=None, plan=None):
+    """Tree attention over a paged KV cache (TVM ``tree_attn_with_paged_kv_cache``). Returns ``(out, lse)``.
+
+    ``kv_pages [num_pages, 2, h_kv, page_size, d]`` (0 = K, 1 = V); request ``b`` owns pages
+    ``page_indices[page_indptr[b]:page_indptr[b+1]]`` in order, the last one filled to
+    ``last_page_len[b]``. Same masking and outputs as ``tree_attention``.
+    """
+    _check_float(q, "q", 3)
+    _check_float(kv_pages, "kv_pages", 5, q.dtype, q.device)
+    if kv_pages.shape[1] != 2:
+        raise ValueError(f"kv_pages must have shape [num_pages, 2, h_kv, page_size, d], got {tuple(kv_pages.shape)}")
+    if not kv_pages.is_contiguous():
+        raise ValueError("kv_pages must be contiguous")
+    if kv_pages.shape[3] < 1:
+        raise ValueError("kv_pages has page_size 0")
+    _check_heads(q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], "kv_pages")
+    if plan is None:
+        plan = TreeAttentionPlan.paged(q_indptr, page_indptr, page_indices, last_page_len, tree_indptr, tree_order,
+                                       page_size=kv_pages.shape[3], num_pages=kv_pages.shape[0],
+                                       total_q=q.shape[0], device=q.device)
+    else:
+        _check_plan(plan, "paged")
+        if plan.device != q.device or plan.total_q != q.shape[0] or plan.page_size != kv_pages.shape[3]:
+            raise ValueError("plan was built for a different batch: its lengths, page size or device do not match")
+    sm_scale = resolve_sm_scale(sm_scale, q.shape[2])
+    out, lse = _outputs(q, out, lse)
+    get_backend(backend, q.device).paged_tree_attention(q, kv_pages, plan, sm_scale=sm_scale, out=out, lse=lse)
+    return out, lse
+
+
+def merge_state(out_a, lse_a, out_b, lse_b, *, out=None, lse=None, backend=None):
+    """Merge two partial attention results over disjoint key sets (base-2 LSEs). Returns ``(out, lse)``.
+
+    ``out_*`` are ``[N, H, D]`` in one dtype, ``lse_*`` are float32 ``[N, H]``. A side with
+    ``lse = -5e4`` (no keys) gets zero weight. ``out=out_a, lse=lse_a`` merges in place.
+    """
+    _check_float(out_a, "out_a", 3)
+    _check_float(out_b, "out_b", 3, out_a.dtype, out_a.device)
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must have the same shape, got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if x.device != out_a.device:
+            raise ValueError(f"{name} is on {x.device}, expected {out_a.device}")
+        if tuple(x.shape) != tuple(out_a.shape[:2]):
+            raise ValueError(f"{name} must have shape {tuple(out_a.shape[:2])}, got {tuple(x.shape)}")
+    out, lse = _outputs(out_a, out, lse)
+    get_backend(backend, out_a.device).merge_state(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
+    return out, lse
