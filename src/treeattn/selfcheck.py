@@ -1,0 +1,81 @@
+"""``treeattn check``: every available backend against the float64 reference on fresh random cases."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from . import ops
+from .backends import available_backends
+from .rope import RoPE
+from .testing import LSE_RTOL, MIXED, TOL, Request, binary, chain, forest, make_batch, poisoned, star
+
+CASES = [
+    # name, requests, dtype, page size (None: ragged), rope
+    ("ragged mixed batch", MIXED, torch.float32, None, None),
+    ("ragged fp16", MIXED, torch.float16, None, None),
+    ("ragged bf16", MIXED, torch.bfloat16, None, None),
+    ("ragged + llama3 RoPE", [Request(binary(15)), Request(forest(chain(4), star(5)))], torch.float32, None,
+     RoPE(5e5, 1.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64})),
+    ("paged, page 16, long prefix", [Request(binary(26), prefix=700, qo=20), *MIXED], torch.float32, 16, None),
+    ("paged, page 1, fp16", MIXED, torch.float16, 1, None),
+]
+
+
+@dataclass
+class Result:
+    backend: str
+    case: str
+    out_err: float
+    lse_err: float
+    ok: bool
+
+
+def _run(backend: str, name: str, requests, dtype, page_size, rope, device) -> Result:
+    batch = make_batch(requests, h_q=8, h_kv=2, d=64, dtype=dtype, seed=zlib.crc32(name.encode()),
+                       page_size=page_size, device=device)
+    kwargs = {}
+    if rope is not None:
+        kwargs = dict(rope=rope, q_positions=torch.randint(0, 4000, (batch.q.shape[0],), device=device, dtype=torch.int32))
+    results = []
+    for which in ("reference", backend):
+        out, lse = poisoned(batch.q), poisoned(batch.q, batch.q.shape[:2], torch.float32)
+        if page_size is None:
+            ops.tree_attention(*batch.ragged_args(), out=out, lse=lse, backend=which, **kwargs)
+        else:
+            ops.paged_tree_attention(*batch.paged_args(), out=out, lse=lse, backend=which)
+        results.append((out.float().cpu(), lse.cpu()))
+    (ref_out, ref_lse), (out, lse) = results
+    atol, rtol = TOL[dtype]
+    out_err = (out - ref_out).abs().max().item()
+    lse_err = ((lse - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)).max().item()
+    ok = bool(torch.isfinite(out).all() and torch.allclose(out, ref_out, atol=atol, rtol=rtol) and lse_err <= LSE_RTOL)
+    return Result(backend, name, out_err, lse_err, ok)
+
+
+def run_check(device: str = "cpu", console: Console | None = None) -> int:
+    """Print a table of errors per backend and case; return a process exit code (0 = all pass)."""
+    console = console or Console()
+    device = torch.device(device)
+    backends = [b for b in available_backends(device) if b != "reference"]
+    console.print(f"treeattn check on [bold]{device}[/] with torch {torch.__version__}: backends {', '.join(backends)}")
+    table = Table("backend", "case", "dtype", "max |Δout|", "max rel |Δlse|", "status")
+    results = []
+    for backend in backends:
+        for name, requests, dtype, page_size, rope in CASES:
+            r = _run(backend, name, requests, dtype, page_size, rope, device)
+            results.append(r)
+            table.add_row(backend, name, str(dtype).replace("torch.", ""), f"{r.out_err:.2e}", f"{r.lse_err:.2e}",
+                          "[green]ok[/]" if r.ok else "[red]FAIL[/]")
+    console.print(table)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        console.print(f"[red]{len(failed)} of {len(results)} checks failed[/]")
+        return 1
+    console.print(f"[green]all {len(results)} checks passed[/] (tolerances: fp32 2e-5, fp16 3e-3, bf16 2e-2; LSE 1e-3 rel)")
+    return 0
