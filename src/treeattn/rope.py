@@ -118,8 +118,11 @@ class RoPE:
         extra = 1.0 / power
         inter = 1.0 / (float(p["factor"]) * power)
         big_l, inv_log = float(p["original_max_position_embeddings"]), float(p["inv_theta_log_scale"])
+        # TVM holds low/high as float32 constants and takes high - low in float32; rounding the
+        # float64 difference instead moves the ramp by an ulp, visible at large positions.
         low = max(d * math.log(big_l / (p["beta_fast"] * 2 * math.pi)) * inv_log, 0.0)
         high = min(d * math.log(big_l / (p["beta_slow"] * 2 * math.pi)) * inv_log, d - 1.0)
+        low, high = (torch.tensor(x, dtype=f32, device=device) for x in (low, high))
         if low == high:
             high += 0.001
         ramp = torch.clamp((j.to(f32) - low) / (high - low), 0.0, 1.0)
