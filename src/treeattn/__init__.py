@@ -1,5 +1,6 @@
 """treeattn: exact, fast tree attention for tree-based speculative decoding."""
 
+from .cache import OutOfPagesError, PagedKVCache
 from .ops import merge_state, paged_tree_attention, tree_attention
 from .plan import TreeAttentionPlan
 from .rope import RoPE
@@ -8,6 +9,8 @@ from .tree import TokenTree, ancestor_mask, pack_trees, tree_depths, tree_order
 __version__ = "0.1.0"
 
 __all__ = [
+    "OutOfPagesError",
+    "PagedKVCache",
     "RoPE",
     "TokenTree",
     "TreeAttentionPlan",

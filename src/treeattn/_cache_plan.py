@@ -1,0 +1,132 @@
+"""Turn one forward of the paged KV cache into ``TreeAttentionPlan``s, once per forward.
+
+Two ways to attend, as in TVM's runtime (tvm-semantics.md §7, §8.3):
+
+* **append first** (one kernel per layer): write the new K/V into the pages, then run the paged
+  tree kernel over each sequence's whole cache with its accumulated tree as the last keys and the
+  new tokens as query rows (``qo_len <= tree size``). Required when a tree continues from an earlier
+  round (its old nodes are only in the pages).
+* **merge** (first round only, ``first_round="merge"``): ragged tree attention over the new tokens
+  alone (``q = k = new``), unmasked paged attention over the cached prefix, and a base-2 LSE merge;
+  the K/V are written after. This is TVM's path for a fresh tree; it is used only when no sequence
+  of the batch continues a tree, not every append is a single token (decode) and no plain append
+  needs chunking.
+
+A plain (non-tree) append is a chain over its new tokens, so both paths are tree attention. A chain
+longer than ``CHAIN_CHUNK`` is cut into several kernel requests on the same pages (each chunk sees
+the whole cache before it plus a causal chain over itself), which keeps every kernel tree small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._cache_pages import num_pages_for, slots
+from .plan import TreeAttentionPlan
+
+CHAIN_CHUNK = 512
+
+
+@dataclass
+class Step:
+    """One sequence's part of a forward, after its pages were allocated."""
+
+    pages: np.ndarray  # page table covering ``new_len`` tokens
+    old_len: int
+    new_len: int
+    order: np.ndarray | None  # (enter, exit) of the accumulated tree; None: a plain causal append
+
+    @property
+    def append(self) -> int:
+        return self.new_len - self.old_len
+
+
+@dataclass
+class ForwardPlans:
+    append_first: bool
+    paged: TreeAttentionPlan | None  # append first: everything; merge: the cached prefix (None when empty)
+    ragged: TreeAttentionPlan | None  # merge only: the new tokens with their trees
+    write_rows: torch.Tensor  # int64 [2, T * h_kv]: rows of a layer's ``kv_pages.view(-1, d)`` for new K, V
+
+
+def kv_rows(slot_ids: np.ndarray, num_kv_heads: int, page_size: int) -> np.ndarray:
+    """Rows of ``kv_pages[layer].view(-1, d)`` holding K (``[0]``) and V (``[1]``) of each slot,
+    ``[2, len(slot_ids) * num_kv_heads]``, token-major then head: one ``index_copy_`` per tensor."""
+    page, offset = slot_ids // page_size, slot_ids % page_size
+    head = np.arange(num_kv_heads)
+    k_rows = ((page[:, None] * 2 * num_kv_heads + head[None, :]) * page_size + offset[:, None]).ravel()
+    return np.stack([k_rows, k_rows + num_kv_heads * page_size])
+
+
+def chain_order(n: int) -> np.ndarray:
+    """``tree_order`` of a chain: node ``i`` enters at ``i`` and its subtree runs to the end."""
+    return np.stack([np.arange(n), np.full(n, n)], axis=1)
+
+
+def _indptr(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
+
+
+def _device_i32(arr, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int32)).to(device)
+
+
+def _cat_orders(orders: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(orders) if orders else np.zeros((0, 2), dtype=np.int64)
+
+
+def _paged_plan(requests, page_size: int, num_pages: int, device: torch.device) -> TreeAttentionPlan:
+    """``requests``: ``(q_len, kv_len, pages, order)`` per kernel request, ``order`` of the last keys."""
+    q_lens = [r[0] for r in requests]
+    counts = [num_pages_for(r[1], page_size) for r in requests]
+    page_ids = [r[2][:c] for r, c in zip(requests, counts)]
+    last = [kv - (c - 1) * page_size if c else 0 for (_, kv, _, _), c in zip(requests, counts)]
+    orders = [r[3] for r in requests if r[3] is not None]
+    tree_sizes = [0 if r[3] is None else r[3].shape[0] for r in requests]
+    return TreeAttentionPlan.paged(
+        _device_i32(_indptr(q_lens), device), _device_i32(_indptr(counts), device),
+        _device_i32(np.concatenate(page_ids) if page_ids else np.zeros(0), device), _device_i32(last, device),
+        _device_i32(_indptr(tree_sizes), device), _device_i32(_cat_orders(orders), device),
+        page_size=page_size, num_pages=num_pages, total_q=sum(q_lens), device=device)
+
+
+def _append_first_requests(steps: list[Step]) -> list[tuple]:
+    requests = []
+    for s in steps:
+        if s.order is not None:
+            requests.append((s.append, s.new_len, s.pages, s.order))
+            continue
+        for lo in range(0, s.append, CHAIN_CHUNK):
+            hi = min(s.append, lo + CHAIN_CHUNK)
+            requests.append((hi - lo, s.old_len + hi, s.pages, chain_order(hi - lo)))
+    return requests
+
+
+def plan_forward(steps: list[Step], *, page_size: int, num_pages: int, num_kv_heads: int, device: torch.device,
+                 merge_first_round: bool) -> ForwardPlans:
+    continuing = any(s.order is not None and s.order.shape[0] > s.append for s in steps)
+    long_chain = any(s.order is None and s.append > CHAIN_CHUNK for s in steps)
+    decode = all(s.append == 1 for s in steps)  # one token each: a single paged call is cheapest
+    append_first = not merge_first_round or continuing or long_chain or decode
+
+    slot_ids = np.concatenate([slots(s.pages, np.arange(s.old_len, s.new_len), page_size) for s in steps])
+    write_rows = torch.from_numpy(kv_rows(slot_ids, num_kv_heads, page_size)).to(device)
+
+    if append_first:
+        paged = _paged_plan(_append_first_requests(steps), page_size, num_pages, device)
+        return ForwardPlans(True, paged, None, write_rows)
+
+    appends = _indptr([s.append for s in steps])
+    orders = [chain_order(s.append) if s.order is None else s.order for s in steps]
+    tree_sizes = _indptr([o.shape[0] for o in orders])
+    ragged = TreeAttentionPlan.ragged(
+        _device_i32(appends, device), _device_i32(appends, device), _device_i32(tree_sizes, device),
+        _device_i32(_cat_orders(orders), device), total_q=int(appends[-1]), total_kv=int(appends[-1]),
+        device=device)
+    paged = None
+    if any(s.old_len for s in steps):  # tree size 0: every cached token is visible
+        paged = _paged_plan([(s.append, s.old_len, s.pages, None) for s in steps], page_size, num_pages, device)
+    return ForwardPlans(False, paged, ragged, write_rows)
