@@ -1,0 +1,231 @@
+"""``treeattn demo``: a real model (SmolLM2-135M-Instruct, offline) decoding greedily and with tree
+speculative decoding (prompt-lookup n-gram trees verified through treeattn's tree attention), side
+by side: same model code, same KV cache, same prompts; the outputs must be token-identical.
+
+The built-in prompts ask for text that repeats the prompt (a code edit, a summary, questions about a
+passage), the workload where model-free prompt lookup drafts well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from .models.loader import ModelNotAvailable, load_smollm2
+from .spec import NGramDrafter
+from .spec.decode import GenerationResult, generate
+
+_CODE = '''def parse_config(path):
+    settings = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            settings[key.strip()] = value.strip()
+    return settings
+'''
+
+_TEXT = ("The city council met on Tuesday to discuss the new public library. The library will be built on Main "
+         "Street, next to the old post office, and it will have a children's reading room, a computer lab and a "
+         "large garden. Construction will start in March and is expected to take eighteen months. The council said "
+         "the library will cost four million dollars, paid for by the state and by a local tax. Some residents "
+         "worried about traffic on Main Street, but the council promised a new parking lot behind the building.")
+
+BUILTIN_PROMPTS = {
+    "code edit": "Rename the variable `settings` to `config` in this Python function. Reply with the complete "
+                 "updated code only.\n\n```python\n" + _CODE + "```",
+    "summary": "Summarize the following text in three sentences.\n\n" + _TEXT,
+    "questions": "Read the text and answer: where will the library be built, what will it have, and how much "
+                 "will it cost?\n\n" + _TEXT,
+}
+
+MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", action="append", default=None,
+                        help="a prompt of your own (repeat the flag for several); default: three built-in prompts")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--tree-budget", type=int, default=16,
+                        help="draft tree nodes per verification step, root included (default 16)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="model and KV cache dtype (default float32)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice, or 1 when the machine is already busy)")
+    parser.add_argument("--batch", action="store_true",
+                        help="decode all prompts together as one batch instead of one after the other")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with the results, nothing else")
+
+
+@dataclass
+class _Prompt:
+    name: str
+    prompt_tokens: int
+    greedy_tokens: list[int]
+    spec_tokens: list[int]
+    greedy: GenerationResult | None = None  # per-prompt results (None when decoded as one batch)
+    spec: GenerationResult | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.greedy_tokens == self.spec_tokens
+
+
+def _pick_threads(requested: int | None) -> tuple[int, str]:
+    """Threads to use and why. On a machine already loaded to its core count, several OpenMP
+    threads stall at every barrier waiting for a descheduled peer (measured here: 2 threads ran
+    SmolLM2 8x slower than 1 under a load of 5 on 2 cores), so a busy machine gets one thread."""
+    if requested:
+        return requested, ""
+    threads = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return threads, ""
+    if threads > 1 and load >= threads:
+        return 1, f" (machine busy, load {load:.1f}: 1 thread; --threads overrides)"
+    return threads, ""
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+class _Streamer:
+    """Writes each sequence's new text as it is produced (decoding the whole output keeps
+    multi-byte characters split across tokens intact)."""
+
+    def __init__(self, console, tokenizer, style: str):
+        self.console, self.tokenizer, self.style = console, tokenizer, style
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def __call__(self, b: int, new: list[int]) -> None:
+        self.tokens.extend(new)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.console.print(text[len(self.shown):], end="", style=self.style, markup=False, highlight=False)
+        self.shown = text
+
+
+def _totals(results: list[GenerationResult]) -> dict:
+    tokens = sum(r.num_tokens for r in results)
+    seconds = sum(r.elapsed_s for r in results)
+    return {"tokens": tokens, "seconds": seconds, "forward_passes": sum(r.forward_passes for r in results),
+            "tokens_per_s": tokens / seconds,
+            "mean_accepted": float(np.mean(np.concatenate([r.emitted_per_step for r in results]))),
+            "mean_tree_size": float(np.mean(np.concatenate([r.drafted_per_step for r in results])))}
+
+
+def _summary(prompts: list[_Prompt], greedy: list[GenerationResult], spec: list[GenerationResult]) -> dict:
+    g, s = _totals(greedy), _totals(spec)
+    return {"identical": all(p.identical for p in prompts), "mean_accepted": s["mean_accepted"],
+            "greedy_tokens_per_s": g["tokens_per_s"], "spec_tokens_per_s": s["tokens_per_s"],
+            "speedup": s["tokens_per_s"] / g["tokens_per_s"], "greedy": g, "spec": s}
+
+
+def main_demo(args: argparse.Namespace) -> int:
+    out = Console(quiet=args.json, highlight=False)
+    err = Console(stderr=True)
+    if args.max_tokens < 1 or args.tree_budget < 1:
+        err.print("[red]--max-tokens and --tree-budget must be >= 1[/red]")
+        return 2
+    threads, why = _pick_threads(args.threads)
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, args.dtype)
+    try:
+        with out.status(f"loading {MODEL_NAME} (dequantising to {args.dtype}, ~20 s)..."):
+            start = time.perf_counter()
+            model, tokenizer = load_smollm2(dtype=dtype, device=args.device)
+            load_s = time.perf_counter() - start
+    except ModelNotAvailable as exc:
+        err.print(f"[red]treeattn demo needs a model:[/red] {exc}")
+        return 2
+    prompts = {f"prompt {i + 1}": p for i, p in enumerate(args.prompt)} if args.prompt else BUILTIN_PROMPTS
+    ids = {name: _chat_ids(tokenizer, text) for name, text in prompts.items()}
+    drafter = NGramDrafter(args.tree_budget)
+    stop = [tokenizer.eos_token_id]
+    out.print(f"[bold]{MODEL_NAME}[/bold] on {args.device} ({args.dtype}, {threads} threads{why}), "
+              f"loaded in {load_s:.0f} s; n-gram tree drafter, {args.tree_budget} nodes per tree")
+
+    # Warm-up outside the timings: first calls initialise the BLAS kernels and the cache plans.
+    warm = next(iter(ids.values()))[:32]
+    generate(model, [warm], max_new_tokens=4)
+    generate(model, [warm], max_new_tokens=4, drafter=drafter)
+
+    done: list[_Prompt] = []
+    greedy_results: list[GenerationResult] = []
+    spec_results: list[GenerationResult] = []
+    if args.batch:
+        names = list(ids)
+        with out.status(f"greedy decoding, {len(names)} prompts in one batch..."):
+            greedy = generate(model, [ids[n] for n in names], max_new_tokens=args.max_tokens, stop_tokens=stop)
+        with out.status(f"speculative decoding, {len(names)} prompts in one batch..."):
+            spec = generate(model, [ids[n] for n in names], max_new_tokens=args.max_tokens, stop_tokens=stop,
+                            drafter=drafter)
+        greedy_results, spec_results = [greedy], [spec]
+        for b, name in enumerate(names):
+            out.rule(name)
+            out.print(tokenizer.decode(spec.tokens[b], skip_special_tokens=True), markup=False)
+            done.append(_Prompt(name, len(ids[name]), greedy.tokens[b], spec.tokens[b]))
+    else:
+        for name, prompt_ids in ids.items():
+            out.rule(f"{name} ({len(prompt_ids)} prompt tokens)")
+            out.print("[dim]greedy:[/dim]")
+            greedy = generate(model, [prompt_ids], max_new_tokens=args.max_tokens, stop_tokens=stop,
+                              on_tokens=None if args.json else _Streamer(out, tokenizer, "dim"))
+            out.print("\n[bold]speculative:[/bold]")
+            spec = generate(model, [prompt_ids], max_new_tokens=args.max_tokens, stop_tokens=stop, drafter=drafter,
+                            on_tokens=None if args.json else _Streamer(out, tokenizer, ""))
+            out.print()
+            greedy_results.append(greedy)
+            spec_results.append(spec)
+            done.append(_Prompt(name, len(prompt_ids), greedy.tokens[0], spec.tokens[0], greedy, spec))
+
+    summary = _summary(done, greedy_results, spec_results)
+    if args.json:
+        record = {"model": MODEL_NAME, "device": args.device, "dtype": args.dtype,
+                  "threads": torch.get_num_threads(), "tree_budget": args.tree_budget,
+                  "max_tokens": args.max_tokens, "batch": args.batch, "load_s": load_s, **summary,
+                  "prompts": [{"name": p.name, "prompt_tokens": p.prompt_tokens, "identical": p.identical,
+                               "tokens": len(p.spec_tokens)}
+                              | ({} if p.spec is None else {"greedy_tokens_per_s": p.greedy.tokens_per_s,
+                                                            "spec_tokens_per_s": p.spec.tokens_per_s,
+                                                            "mean_accepted": p.spec.mean_accepted})
+                              for p in done]}
+        print(json.dumps(record, indent=2))
+        return 0 if summary["identical"] else 1
+
+    table = Table(title="greedy vs tree speculative decoding", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("prompt", "tokens", "passes", "acc/step", "greedy tok/s", "spec tok/s", "speedup", "same"):
+        table.add_column(col, justify="left" if col == "prompt" else "right", no_wrap=True)
+
+    def row(name, tokens, g, s, acc, gtps, stps, same):
+        table.add_row(name, str(tokens), f"{g}/{s}", f"{acc:.2f}", f"{gtps:.1f}", f"{stps:.1f}",
+                      f"{stps / gtps:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
+
+    for p in done:
+        if p.spec is not None:
+            row(p.name, p.spec.num_tokens, p.greedy.forward_passes, p.spec.forward_passes, p.spec.mean_accepted,
+                p.greedy.tokens_per_s, p.spec.tokens_per_s, p.identical)
+    g, s = summary["greedy"], summary["spec"]
+    row("all", s["tokens"], g["forward_passes"], s["forward_passes"], s["mean_accepted"], g["tokens_per_s"],
+        s["tokens_per_s"], summary["identical"])
+    out.print(table)
+    out.print(f"[dim]passes: model forwards (greedy/speculative); acc/step: tokens emitted per verification step; "
+              f"mean tree: {summary['spec']['mean_tree_size']:.1f} nodes[/dim]")
+    return 0 if summary["identical"] else 1

@@ -1,0 +1,308 @@
+"""Tree verification: greedy acceptance, and lossless speculative sampling (statistical tests).
+
+Budget: ~20 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeattn.spec import (DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy,
+                           verify_sampling)
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """Survival function of the chi-square distribution (no scipy here)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson statistic with cells of expected count < 5 pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    return float(((obs - exp) ** 2 / exp).sum()), int(keep.sum() - 1)
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+
+def greedy_reference(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The documented rule in plain Python: accepted = every edge carries the parent's argmax;
+    the result is the deepest accepted node, the lowest index among equally deep ones."""
+    pred = logits.argmax(-1).tolist()
+    accepted, depth = [True], [0]
+    for i in range(1, tree.size):
+        p = int(tree.parents[i])
+        accepted.append(accepted[p] and int(tree.tokens[i]) == pred[p])
+        depth.append(depth[p] + 1)
+    leaf = min((i for i in range(tree.size) if accepted[i]), key=lambda i: (-depth[i], i))
+    path = tree.path(leaf)
+    return path, [int(tree.tokens[i]) for i in path[1:]] + [pred[leaf]]
+
+
+def test_greedy_known_tree():
+    # root(5) -> a(1) -> c(3); root -> b(2) -> d(4); target argmax: root->2, b->4, d->0
+    tree = DraftTree(np.array([5, 1, 2, 3, 4]), np.array([-1, 0, 0, 1, 2]))
+    logits = torch.full((5, 8), -1.0)
+    for node, best in ((0, 2), (1, 3), (2, 4), (3, 1), (4, 0)):
+        logits[node, best] = 1.0
+    res = verify_greedy([tree], logits)
+    assert res.paths == [[0, 2, 4]]
+    assert res.tokens == [[2, 4, 0]]
+    assert res.leaf_indices == [4] and res.num_accepted_drafts == [2]
+
+
+def test_greedy_rejects_everything_emits_bonus():
+    tree = DraftTree(np.array([5, 1, 2]), np.array([-1, 0, 0]))
+    logits = torch.randn(3, 8)
+    logits[0] = -5.0
+    logits[0, 7] = 5.0
+    res = verify_greedy([tree], logits)
+    assert res.paths == [[0]] and res.tokens == [[7]]
+
+
+def test_greedy_duplicate_siblings_lowest_index_wins():
+    # Nodes 1 and 2 both carry 3 (the root's argmax); their children 4 and 3 both carry 1 (their argmax):
+    # two accepted paths of depth 2, and the one ending at the lower index (node 3) wins.
+    tree = DraftTree(np.array([0, 3, 3, 1, 1]), np.array([-1, 0, 0, 2, 1]))
+    logits = torch.zeros(5, 4)
+    logits[:, 3] = 1.0
+    logits[[1, 2], 1] = 2.0
+    res = verify_greedy([tree], logits)
+    assert res.paths == [[0, 2, 3]]
+    assert res.tokens == [[3, 1, 3]]
+
+
+@st.composite
+def random_trees(draw):
+    n = draw(st.integers(1, 24))
+    parents = [-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)]
+    tokens = [draw(st.integers(0, 3)) for _ in range(n)]
+    return DraftTree(np.array(tokens), np.array(parents))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(random_trees(), min_size=1, max_size=5), st.integers(0, 2**31 - 1))
+def test_greedy_matches_reference(trees, seed):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(t.size for t in trees)
+    logits = torch.randn(total, 4, generator=g)  # vocab 4: many drafts match
+    res = verify_greedy(trees, logits)
+    start = 0
+    for b, tree in enumerate(trees):
+        path, tokens = greedy_reference(tree, logits[start:start + tree.size])
+        assert res.paths[b] == path and res.tokens[b] == tokens
+        start += tree.size
+
+
+def test_verify_dispatch_and_validation():
+    tree = DraftTree.root_only(3)
+    logits = torch.randn(1, 6)
+    assert verify([tree], logits).tokens == [[int(logits.argmax())]]
+    assert verify([tree], logits, SamplingParams(temperature=0.0)).tokens == [[int(logits.argmax())]]
+    with pytest.raises(ValueError, match="rows"):
+        verify_greedy([tree], torch.randn(2, 6))
+    with pytest.raises(ValueError, match="rooted at node 0"):
+        DraftTree(np.array([1, 2]), np.array([-1, -1]))
+    with pytest.raises(ValueError, match="same"):
+        DraftTree(np.array([1, 2, 3]), np.array([-1, 0]))
+    with pytest.raises(TypeError, match="DraftTree"):
+        verify_greedy([[1, 2]], logits)
+    with pytest.raises(ValueError, match="draft_probs"):
+        DraftTree(np.array([1, 2]), np.array([-1, 0]), draft_probs=torch.ones(3, 5))
+
+
+def test_target_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    full = torch.softmax(logits, -1)
+    torch.testing.assert_close(target_probs(logits, SamplingParams()), full)
+    torch.testing.assert_close(target_probs(logits, SamplingParams(temperature=2.0)), torch.softmax(logits / 2, -1))
+    top2 = target_probs(logits, SamplingParams(top_k=2))
+    torch.testing.assert_close(top2[0, :2], full[0, :2] / full[0, :2].sum())
+    assert (top2[0, 2:] == 0).all()
+    # top-p keeps the smallest prefix reaching the mass: p = [.57, .21, .13, ...] -> 0.7 keeps two tokens
+    topp = target_probs(logits, SamplingParams(top_p=0.7))
+    assert (topp[0, :2] > 0).all() and (topp[0, 2:] == 0).all()
+    assert (target_probs(logits, SamplingParams(top_p=0.01))[0, 1:] == 0).all()
+
+
+# -------------------------------------------------------------------------------------------- sampling
+
+VOCAB = 5
+HORIZON = 3  # compare the joint law of the first three emitted tokens: 125 cells
+OFFSET = np.array([sum(VOCAB ** k for k in range(n)) for n in range(HORIZON + 1)])
+# Tree shape: the root has 3 children; the first has 2 children, one of which has a child.
+SHAPE = np.array([-1, 0, 0, 0, 1, 1, 4])
+
+
+class TableModel:
+    """A target 'model' over a 5-token vocabulary: logits are a fixed random function of the first
+    HORIZON tokens of the context (a context is coded as OFFSET[len] + its base-5 value)."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(int(OFFSET[-1]) + VOCAB ** HORIZON, VOCAB, generator=g) * 0.8
+
+    def joint(self, params: SamplingParams) -> np.ndarray:
+        """Exact law of the first HORIZON tokens, cells in base-5 order."""
+        probs = target_probs(self.table, params).numpy().astype(np.float64)
+        out = np.ones(VOCAB ** HORIZON)
+        for cell in range(VOCAB ** HORIZON):
+            digits = [(cell // VOCAB ** (HORIZON - 1 - i)) % VOCAB for i in range(HORIZON)]
+            value = 0
+            for i, t in enumerate(digits):
+                out[cell] *= probs[OFFSET[i] + value, t]
+                value = value * VOCAB + t
+        return out
+
+
+def extend(length: torch.Tensor, value: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append a token to coded contexts; beyond HORIZON tokens the code stops changing."""
+    grow = length < HORIZON
+    return torch.where(grow, length + 1, length), torch.where(grow, value * VOCAB + token, value)
+
+
+def draft_batch(length, value, roots, g, q_table, mode):
+    """Sample one tree per sequence: siblings i.i.d. from q ("iid"), without replacement
+    ("distinct", q renormalised over the untaken tokens) or fixed distinct tokens ("point")."""
+    batch, n = roots.shape[0], SHAPE.size
+    tokens = torch.zeros(batch, n, dtype=torch.int64)
+    tokens[:, 0] = roots
+    q_rows = torch.zeros(batch, n, VOCAB)
+    offset = torch.from_numpy(OFFSET)
+    lens, vals = [length] + [None] * (n - 1), [value] + [None] * (n - 1)  # coded context of each node
+    for parent in range(n):
+        kids = np.nonzero(SHAPE == parent)[0].tolist()
+        q = q_table[(offset[lens[parent]] + vals[parent]) % q_table.shape[0]]  # the draft depends on context
+        taken = torch.zeros(batch, VOCAB, dtype=torch.bool)
+        for rank, kid in enumerate(kids):
+            if mode == "point":
+                tok = torch.full((batch,), (3 * parent + rank) % VOCAB)
+                row = torch.nn.functional.one_hot(tok, VOCAB).float()
+            else:
+                row = q.masked_fill(taken, 0.0) if mode == "distinct" else q
+                row = row / row.sum(1, keepdim=True)
+                tok = torch.multinomial(row, 1, generator=g).squeeze(1)
+            taken[torch.arange(batch), tok] = True
+            tokens[:, kid], q_rows[:, kid] = tok, row
+            lens[kid], vals[kid] = extend(lens[parent], vals[parent], tok)
+    codes = torch.stack([offset[lens[i]] + vals[i] for i in range(n)], dim=1)
+    trees = [DraftTree(tokens[b].numpy(), SHAPE, None if mode == "point" else q_rows[b]) for b in range(batch)]
+    return trees, codes
+
+
+def sample_prefixes(model: TableModel, params: SamplingParams, mode: str, n: int, seed: int,
+                    verifier=verify_sampling) -> np.ndarray:
+    """Speculative sampling for n independent sequences, one batch per step, until each has emitted
+    HORIZON tokens; returns the counts of the HORIZON-token prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    q_table = torch.softmax(torch.randn(31, VOCAB, generator=g) * 1.5, -1)  # drafts far from the target
+    length, value = [0] * n, [0] * n  # coded context of each sequence (it starts empty)
+    roots = [0] * n  # the last prompt token
+    while True:
+        live = [b for b in range(n) if length[b] < HORIZON]
+        if not live:
+            return np.bincount(value, minlength=VOCAB ** HORIZON)
+        trees, codes = draft_batch(torch.tensor([length[b] for b in live]), torch.tensor([value[b] for b in live]),
+                                   torch.tensor([roots[b] for b in live]), g, q_table, mode)
+        res = verifier(trees, model.table[codes.reshape(-1)], params, g)
+        for b, new in zip(live, res.tokens):
+            for t in new[: HORIZON - length[b]]:
+                length[b], value[b] = length[b] + 1, value[b] * VOCAB + t
+            roots[b] = new[-1]
+
+
+N_SAMPLES = 30000
+
+
+@pytest.mark.parametrize("mode,params", [
+    ("iid", SamplingParams()),
+    ("distinct", SamplingParams()),
+    ("point", SamplingParams()),
+    ("iid", SamplingParams(temperature=0.8, top_k=4, top_p=0.9)),
+])
+def test_sampling_is_lossless(mode, params):
+    model = TableModel(seed=1)
+    counts = sample_prefixes(model, params, mode, N_SAMPLES, seed=2)
+    joint = model.joint(params)
+    stat, dof = chi2_stat(counts, joint)
+    assert chi2_sf(stat, dof) > 1e-3, f"emitted law differs from the target: chi2={stat:.1f}, dof={dof}"
+    first, marginal = counts.reshape(VOCAB, -1).sum(1), joint.reshape(VOCAB, -1).sum(1)
+    assert chi2_sf(*chi2_stat(first, marginal)) > 1e-3
+    # Power: the same samples reject a law that moves 2% of the first token's mass between two tokens.
+    hi, lo = np.argsort(marginal)[-1], np.argsort(marginal)[-2]
+    shifted = marginal.copy()
+    shifted[hi] -= 0.02
+    shifted[lo] += 0.02
+    assert chi2_sf(*chi2_stat(first, shifted)) < 1e-3
+
+
+def sequential_reference(trees, logits, params, generator, *, residual=True) -> VerifyResult:
+    """SpecInfer's rule one tree at a time, in plain Python; ``residual=False`` is the classic bug of
+    drawing from p (minus the rejected token) instead of norm(max(p - q, 0)) after a rejection."""
+    probs = target_probs(logits, params)
+    paths, tokens, start = [], [], 0
+    for tree in trees:
+        node, p, path, out = 0, probs[start].clone(), [0], []
+        while True:
+            for kid in np.nonzero(tree.parents == node)[0].tolist():
+                x = int(tree.tokens[kid])
+                q = tree.draft_probs[kid]
+                if float(torch.rand(1, generator=generator)) * float(q[x]) < float(p[x]):
+                    node, p = kid, probs[start + kid].clone()
+                    path.append(kid)
+                    out.append(x)
+                    break
+                p = (p - q).clamp(min=0) if residual else p.index_fill(0, torch.tensor([x]), 0.0)
+                p = p / p.sum()
+            else:
+                out.append(int(torch.multinomial(p, 1, generator=generator)))
+                break
+        paths.append(path)
+        tokens.append(out)
+        start += tree.size
+    return VerifyResult(paths, tokens)
+
+
+def test_a_biased_verifier_is_caught():
+    model, params = TableModel(seed=1), SamplingParams()
+    counts = sample_prefixes(model, params, "iid", 6000, seed=3,
+                             verifier=lambda *a: sequential_reference(*a, residual=False))
+    stat, dof = chi2_stat(counts, model.joint(params))
+    assert chi2_sf(stat, dof) < 1e-6
+
+
+def test_sampling_reproducible_with_generator():
+    g = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(4, 7, generator=g), -1)
+    trees = [DraftTree(np.array([1, 2, 3, 4]), np.array([-1, 0, 0, 2]), draft_probs=q) for _ in range(16)]
+    logits = torch.randn(64, 7, generator=g)
+    a = verify_sampling(trees, logits, SamplingParams(), torch.Generator().manual_seed(5))
+    b = verify_sampling(trees, logits, SamplingParams(), torch.Generator().manual_seed(5))
+    assert a == b
+    assert len({tuple(t) for t in a.tokens}) > 1  # 16 draws are not all the same
+
+
+def test_point_mass_acceptance_probability_is_exact():
+    """Point-mass drafts: the first child is accepted with probability p(x), the second with
+    p(y) / (1 - p(x)) given the first was rejected; check the empirical first-token law closely."""
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    tree = DraftTree(np.array([0, 3, 1]), np.array([-1, 0, 0]))
+    n = 40000
+    res = verify_sampling([tree] * n, logits.repeat(n, 1), SamplingParams(), torch.Generator().manual_seed(7))
+    first = np.bincount([t[0] for t in res.tokens], minlength=4)
+    p = torch.softmax(logits[0], -1).numpy()
+    stat, dof = chi2_stat(first, p)
+    assert chi2_sf(stat, dof) > 1e-3
+    accepted = np.array([len(path) > 1 for path in res.paths])
+    assert abs(accepted.mean() - (p[3] + p[1])) < 0.01  # P(some child accepted) = p(3) + p(1)
