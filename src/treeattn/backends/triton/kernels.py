@@ -1,0 +1,249 @@
+"""Triton kernels: tree attention over ragged or paged KV, split-KV merge, and merge_state.
+
+One program of ``tree_attn_kernel`` owns one work item (request, block of query rows, KV column
+range) for one KV head. Query rows are GQA-packed: flattened row ``r`` of a request is token
+``r // group`` and query head ``kv_head * group + r % group``, so every KV tile is loaded once for
+all the heads that read it. Columns before the tree (the prefix) need no mask, so full prefix tiles
+take an unmasked path; only the remaining tiles (tree, ragged tail) load ``(enter, exit)`` per
+column and run the ancestor interval test. Scores live in the log2 domain (``log2(e)`` folded into
+``sm_scale``), so the softmax is ``exp2`` and the LSE comes out base 2, as TVM defines it.
+
+A work item with ``split >= 0`` covers one chunk of a request's keys and writes a normalised
+fp32 partial state to the workspace; ``merge_splits_kernel`` combines the chunks by LSE.
+Work lists are padded for CUDA graphs: programs past ``counts[0]`` exit at once.
+
+Launched through ``launch.py`` (which checks that triton was imported in the mode
+``TRITON_INTERPRET`` asks for); ``aot.py`` compiles it for sm_80/sm_90 without a GPU.
+"""
+
+import triton
+import triton.language as tl
+
+EMPTY_LSE = tl.constexpr(-5e4)  # LSE of a row with no keys (= treeattn.reference.EMPTY_LSE)
+# Tables (built in dispatch.py): requests [B, 8] = q_start, qo_len, kv_start (ragged) or page_start
+# (paged), kv_len, tree_start, tree_size, num_splits, part_start; work [items, 5] = request,
+# first row, kv_lo, kv_hi, split index (-1: not split); counts [2] = live items, live tokens.
+
+
+@triton.jit
+def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, num_rows, num_heads, stride_xt, stride_xh, rope_scale, rope_mult,
+                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROPE_DIVIDE: tl.constexpr):
+    """Rotate-half RoPE of ``x [L, H, d]`` at integer positions ``[L]`` into contiguous ``out``, TVM's
+    formula: ``angle = s / g`` (or ``s * g``), ``s = float32(pos) * scale``, cos/sin times the
+    multiplier, all fp32, rounded to the storage dtype (TVM rounds before its dot products).
+
+    A pass of its own, before attention, rather than fused into the tiles: precise fp32 sin/cos
+    (needed for angles up to ~1e5 rad) is long libdevice code, which per KV tile would be
+    recomputed by every program that reads the tile and would bloat the attention kernel."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = rows < num_rows
+    tok = (rows // num_heads).to(tl.int64)
+    head = rows % num_heads
+    d_ok = offs_d < HEAD_DIM
+    mask = r_ok[:, None] & d_ok[None, :]
+    base = tok * stride_xt + head * stride_xh
+    x = tl.load(x_ptr + base[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    partner_d = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+    partner = tl.load(x_ptr + base[:, None] + partner_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.where((offs_d < HEAD_DIM // 2)[None, :], -partner, partner)
+    g = tl.load(freq_ptr + offs_d, mask=d_ok, other=1.0)
+    s = tl.load(pos_ptr + tok, mask=r_ok, other=0).to(tl.float32) * rope_scale
+    if ROPE_DIVIDE:
+        angle = tl.math.div_rn(s[:, None], g[None, :])
+    else:
+        angle = s[:, None] * g[None, :]
+    cos = tl.cos(angle) * rope_mult
+    sin = tl.sin(angle) * rope_mult
+    roped = cos * x.to(tl.float32) + sin * partner
+    flat = rows.to(tl.int64)
+    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], roped.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, enter_row, tree_kv_start, tree_start,
+                 k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_indices_ptr, page_log2,
+                 tree_order_ptr, qk_scale, MASKED: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One KV tile of the online softmax. ``MASKED=False`` is the fast path for full prefix tiles:
+    no column bound and no tree test."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < kv_hi
+    if MASKED:
+        tile_mask = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    else:
+        tile_mask = (offs_d < HEAD_DIM)[None, :]  # broadcast over columns; all true unless d is padded
+    if PAGED:
+        if MASKED:
+            page = tl.load(page_indices_ptr + kv_start + (offs_n >> page_log2), mask=col_ok, other=0)
+        else:
+            page = tl.load(page_indices_ptr + kv_start + (offs_n >> page_log2))
+        row_off = page.to(tl.int64) * stride_page + (offs_n & ((1 << page_log2) - 1)).to(tl.int64) * stride_kt
+        k_off = row_off[:, None] + kv_head * stride_kh + offs_d[None, :]
+        v_off = k_off  # the K and V halves of a page share their layout
+    else:
+        tokens = (kv_start + offs_n).to(tl.int64)
+        k_off = (tokens * stride_kt)[:, None] + kv_head * stride_kh + offs_d[None, :]
+        v_off = (tokens * stride_vt)[:, None] + kv_head * stride_vh + offs_d[None, :]
+    k = tl.load(k_ptr + k_off, mask=tile_mask, other=0.0)
+    v = tl.load(v_ptr + v_off, mask=tile_mask, other=0.0)
+    if FP32_DOT:
+        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    if MASKED:
+        anc = offs_n - tree_kv_start
+        in_tree = (anc >= 0) & col_ok
+        e_col = tl.load(tree_order_ptr + (tree_start + anc) * 2, mask=in_tree, other=0)
+        x_col = tl.load(tree_order_ptr + (tree_start + anc) * 2 + 1, mask=in_tree, other=0)
+        is_anc = (e_col[None, :] <= enter_row[:, None]) & (enter_row[:, None] < x_col[None, :])
+        allowed = col_ok[None, :] & ((anc < 0)[None, :] | is_anc)
+        qk = tl.where(allowed, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def tree_attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    requests_ptr, work_ptr, counts_ptr, tree_order_ptr, page_indices_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_log2, num_q_heads, group,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if pid >= tl.load(counts_ptr):
+        return
+    w = work_ptr + pid * 5
+    b = tl.load(w)
+    row0 = tl.load(w + 1)
+    kv_lo = tl.load(w + 2)
+    kv_hi = tl.load(w + 3)
+    split = tl.load(w + 4)
+    r = requests_ptr + b * 8
+    q_start = tl.load(r)
+    qo_len = tl.load(r + 1)
+    kv_start = tl.load(r + 2)
+    kv_len = tl.load(r + 3)
+    tree_start = tl.load(r + 4)
+    tree_size = tl.load(r + 5)
+    part_start = tl.load(r + 7)
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < qo_len * group
+    tok = offs_m // group
+    head = kv_head * group + offs_m % group
+    q_row = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_row[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    # The tree is the last tree_size keys; query row r is node r + tree_size - qo_len.
+    tree_kv_start = kv_len - tree_size
+    has_tree = row_ok & (tree_size > 0)
+    enter_row = tl.load(tree_order_ptr + (tree_start + tok + tree_size - qo_len) * 2, mask=has_tree, other=0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile then adds exactly 0
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    unmasked_end = kv_lo + tl.maximum(tl.minimum(kv_hi, tree_kv_start) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_lo, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, enter_row, tree_kv_start, tree_start,
+            k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_indices_ptr, page_log2,
+            tree_order_ptr, qk_scale, False, PAGED, HEAD_DIM, BLOCK_N, FP32_DOT)
+    for start in range(unmasked_end, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, enter_row, tree_kv_start, tree_start,
+            k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_indices_ptr, page_log2,
+            tree_order_ptr, qk_scale, True, PAGED, HEAD_DIM, BLOCK_N, FP32_DOT)
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if split < 0:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), EMPTY_LSE)
+        out_row = (q_start + tok).to(tl.int64) * num_q_heads + head
+        tl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(lse_ptr + out_row, lse, mask=row_ok)
+    else:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        part_row = (part_start + split * qo_len + tok).to(tl.int64) * num_q_heads + head
+        tl.store(o_part_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], o, mask=row_ok[:, None])
+        tl.store(lse_part_ptr + part_row, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, requests_ptr, token_request_ptr, counts_ptr,
+                        num_q_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Combine a split request's per-chunk states for one token and a block of heads by their LSEs."""
+    t = tl.program_id(0)
+    if t >= tl.load(counts_ptr + 1):
+        return
+    b = tl.load(token_request_ptr + t)
+    r = requests_ptr + b * 8
+    num_splits = tl.load(r + 6)
+    if num_splits <= 1:
+        return
+    q_start = tl.load(r)
+    qo_len = tl.load(r + 1)
+    part_start = tl.load(r + 7)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_q_heads
+    first = (part_start + t - q_start).to(tl.int64)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_part_ptr + (first + s * qo_len) * num_q_heads + offs_h, mask=h_ok,
+                                  other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)  # a row no chunk saw: keeps the weights finite (all 0)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(num_splits):
+        row = (first + s * qo_len) * num_q_heads + offs_h
+        wgt = tl.exp2(tl.load(lse_part_ptr + row, mask=h_ok, other=float("-inf")) - m)
+        o = tl.load(o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+        den += wgt
+        acc += wgt[:, None] * o
+    seen = den > 0.0
+    o = acc / tl.where(seen, den, 1.0)[:, None]
+    lse = tl.where(seen, m + tl.log2(tl.where(seen, den, 1.0)), EMPTY_LSE)
+    out_row = t.to(tl.int64) * num_q_heads + offs_h
+    tl.store(out_ptr + out_row[:, None] * HEAD_DIM + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(lse_ptr + out_row, lse, mask=h_ok)
+
+
+@triton.jit
+def merge_state_kernel(out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr, num_rows, num_heads,
+                       stride_an, stride_ah, stride_bn, stride_bh, stride_lan, stride_lah, stride_lbn, stride_lbh,
+                       HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``merge_state`` over flattened (row, head) pairs: weights ``exp2(lse - max)``, fp32 math."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = rows < num_rows * num_heads
+    n = (rows // num_heads).to(tl.int64)
+    h = rows % num_heads
+    la = tl.load(lse_a_ptr + n * stride_lan + h * stride_lah, mask=r_ok, other=0.0)
+    lb = tl.load(lse_b_ptr + n * stride_lbn + h * stride_lbh, mask=r_ok, other=0.0)
+    m = tl.maximum(la, lb)
+    wa = tl.exp2(la - m)
+    wb = tl.exp2(lb - m)
+    total = wa + wb
+    mask = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    oa = tl.load(out_a_ptr + (n * stride_an + h * stride_ah)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    ob = tl.load(out_b_ptr + (n * stride_bn + h * stride_bh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    merged = oa.to(tl.float32) * (wa / total)[:, None] + ob.to(tl.float32) * (wb / total)[:, None]
+    flat = rows.to(tl.int64)
+    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + flat, tl.log2(total) + m, mask=r_ok)
