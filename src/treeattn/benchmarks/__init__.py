@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the package, so ``treeattn bench`` can run them on any machine."""
