@@ -196,3 +196,24 @@ def test_generate_arguments_are_checked(llama):
         generate(model, [[1, 2]], max_new_tokens=0)
     with pytest.raises(TypeError, match="drafter"):
         generate(model, [[1, 2]], max_new_tokens=4, drafter=object())
+
+    class Short:  # drafts for the first sequence only
+        def propose(self, contexts, hidden=None):
+            return [DraftTree.root_only(int(contexts[0][-1]))]
+
+    with pytest.raises(ValueError, match="the drafter returned 1 trees for 2 sequences"):
+        generate(model, [[1, 2], [3, 4]], max_new_tokens=4, drafter=Short())
+    class Star:  # eight nodes: the root and seven guesses below it
+        def propose(self, contexts, hidden=None):
+            return [DraftTree(np.r_[c[-1], np.arange(7)], np.r_[-1, np.zeros(7, dtype=np.int64)]) for c in contexts]
+
+    with pytest.raises(ValueError, match="has 8 nodes, more than draft_slack = 4"):
+        generate(model, [[1, 2]], max_new_tokens=4, drafter=Star(), draft_slack=4)
+
+
+def test_partial_rotary_configs_are_refused():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4)
+    config.partial_rotary_factor = 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LlamaTreeModel.from_hf(transformers.LlamaForCausalLM(config))

@@ -107,6 +107,12 @@ def test_yarn_default_inv_theta_log_scale_is_tvm_fill():
     ({"scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing"),
     ({"scaling": {"rope_type": "llama3", **LLAMA, "high_freq_factor": 1.0}}, "high_freq_factor != low_freq_factor"),
     ({"scaling": {"rope_type": "yarn", "factor": 2.0}}, "missing beta_fast"),
+    ({"scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 0, "beta_slow": 1,
+                  "original_max_position_embeddings": 512}}, r"scaling\['beta_fast'\] must be a finite number > 0"),
+    ({"scaling": {"rope_type": "llama3", **LLAMA, "factor": "8"}}, r"scaling\['factor'\] must be a finite number"),
+    ({"scaling": {"rope_type": "llama4", **LLAMA, "factor": float("inf")}}, r"scaling\['factor'\]"),
+    ({"scaling": {"rope_type": "longrope", "max_position_embeddings": 4096, "original_max_position_embeddings": 1}},
+     "original_max_position_embeddings > 1"),
     ({"theta": 0.5}, "theta"),
     ({"scale": 0.0}, "scale"),
 ])

@@ -125,3 +125,17 @@ def test_parent_types_are_checked():
     with pytest.raises(ValueError, match=r"trees\[1\]\[1\] = 3"):
         treeattn.pack_trees([[-1], [-1, 3]])
     assert treeattn.tree_order(torch.tensor([-1, 0, 0])).tolist() == [[0, 3], [1, 2], [2, 3]]
+
+
+def test_tree_size_is_capped():
+    """TVM caps a tree at 256 nodes; we accept up to MAX_TREE_SIZE and refuse more, clearly."""
+    from treeattn.tree import MAX_TREE_SIZE
+
+    chain = list(range(-1, MAX_TREE_SIZE - 1))
+    assert treeattn.tree_order(chain)[-1].tolist() == [MAX_TREE_SIZE - 1, MAX_TREE_SIZE]
+    with pytest.raises(ValueError, match=f"has {MAX_TREE_SIZE + 1} nodes; at most {MAX_TREE_SIZE}"):
+        treeattn.tree_order(chain + [MAX_TREE_SIZE - 1])
+    n = MAX_TREE_SIZE + 1  # a valid chain order, too big for the kernels' plan
+    order = torch.stack([torch.arange(n), torch.full((n,), n)], dim=1).int()
+    with pytest.raises(ValueError, match=f"request 0: tree of {n} nodes exceeds the maximum {MAX_TREE_SIZE}"):
+        treeattn.TreeAttentionPlan.ragged([0, 1], [0, n], [0, n], order)

@@ -1,10 +1,16 @@
 """Every validation rule raises a clear error that names the offending argument."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import treeattn
-from cases import MIXED, Request, binary, chain, make_batch
+from cases import MIXED, Request, binary, chain, make_batch, parent_arrays
+from treeattn.plan import check_tree_order
 
 BATCH = make_batch(MIXED, h_q=4, h_kv=2, d=16, seed=0, page_size=4)
 
@@ -53,6 +59,8 @@ RAGGED_ERRORS = [
     (dict(tree_order=BATCH.tree_order[:-1]), ValueError, r"tree_indptr\[-1\] = .* must equal tree_order.shape\[0\]"),
     (dict(sm_scale=torch.tensor(0.1)), TypeError, "sm_scale must be a Python float"),
     (dict(sm_scale=-1.0), ValueError, "sm_scale must be finite and > 0"),
+    (dict(sm_scale=True), TypeError, "sm_scale must be a Python float, got bool"),
+    (dict(q_indptr=[0, 7.5, *BATCH.q_indptr[2:].tolist()]), TypeError, "q_indptr must hold integers, got float64"),
     (dict(sm_scale=float("nan")), ValueError, "sm_scale must be finite and > 0"),
     (dict(rope="llama"), TypeError, "rope must be a treeattn.RoPE"),
     (dict(rope=treeattn.RoPE()), ValueError, "rope needs q_positions"),
@@ -81,6 +89,14 @@ def _single(parents, prefix, qo=None, **kw):
     return make_batch([Request(parents, prefix=prefix, qo=qo)], h_q=2, h_kv=1, d=8, **kw)
 
 
+def test_rope_needs_an_even_head_dim():
+    q, k = torch.randn(3, 2, 7), torch.randn(3, 1, 7)
+    tree_indptr, tree_order = treeattn.pack_trees([binary(3)])
+    with pytest.raises(ValueError, match="rope needs an even head dim, got 7"):
+        treeattn.tree_attention(q, i32(0, 3), k, k, i32(0, 3), tree_indptr, tree_order, rope=treeattn.RoPE(),
+                                q_positions=i32(0, 1, 1))
+
+
 def test_query_rows_must_not_exceed_tree_and_tree_must_fit_in_kv():
     b = _single(binary(7), prefix=3)
     with pytest.raises(ValueError, match="request 0: need qo_len <= tree size <= kv_len.*qo_len=9, tree size=7"):
@@ -99,6 +115,32 @@ def test_inconsistent_tree_order_is_rejected(order, message):
     b = _single(chain(3), prefix=2)
     with pytest.raises(ValueError, match=r"tree_order\[0:3\] \(request 0\): .*" + message):
         treeattn.tree_attention(b.q, b.q_indptr, b.k, b.v, b.kv_indptr, b.tree_indptr, i32(*order).reshape(-1, 2))
+
+
+def _is_dfs_order(order) -> bool:
+    """The definition, pair by pair: enters a permutation, enter < exit <= n, no crossing intervals."""
+    n = len(order)
+    if sorted(e for e, _ in order) != list(range(n)) or any(not e < x <= n for e, x in order):
+        return False
+    return not any(ei < ej < xi < xj for ei, xi in order for ej, xj in order)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(parent_arrays(max_size=10), min_size=1, max_size=4), st.data())
+def test_batched_tree_order_check_matches_the_definition(trees, data):
+    """The batch-vectorised check accepts exactly the valid trees and names an invalid request."""
+    indptr, order = treeattn.pack_trees(trees)
+    order = order.numpy().astype(np.int64)
+    for _ in range(data.draw(st.integers(0, 2))):  # perturb some entries (often into another valid order)
+        order[data.draw(st.integers(0, len(order) - 1)), data.draw(st.integers(0, 1))] += data.draw(st.integers(-2, 2))
+    bounds = indptr.numpy().astype(np.int64)
+    invalid = [b for b in range(len(trees)) if not _is_dfs_order(order[bounds[b]:bounds[b + 1]].tolist())]
+    if not invalid:
+        check_tree_order(order, bounds[:-1], np.diff(bounds))
+        return
+    with pytest.raises(ValueError, match="not a DFS|permutation|enter < exit") as err:
+        check_tree_order(order, bounds[:-1], np.diff(bounds))
+    assert int(re.search(r"\(request (\d+)\)", str(err.value)).group(1)) in invalid
 
 
 def test_int64_index_arrays_are_accepted():
@@ -127,6 +169,35 @@ PAGED_ERRORS = [
 def test_paged_argument_errors(changes, exc, message):
     with pytest.raises(exc, match=message):
         paged(**changes)
+
+
+def test_reused_plan_must_fit_the_pages_it_reads():
+    e = BATCH.extra
+    plan = treeattn.TreeAttentionPlan.paged(BATCH.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
+                                            BATCH.tree_indptr, BATCH.tree_order, page_size=4,
+                                            num_pages=pages.shape[0], total_q=q.shape[0])
+    largest = int(e["page_indices"].max())
+    with pytest.raises(ValueError, match=f"plan uses page id {largest}, but kv_pages has only {largest} pages"):
+        paged(kv_pages=pages[:largest].contiguous(), plan=plan)
+    out, _ = paged(plan=plan)
+    torch.testing.assert_close(out, paged()[0])
+
+
+def test_plan_from_host_arrays_equals_plan_from_tensors():
+    """The KV cache plans from numpy arrays (validated on the host, uploaded once)."""
+    e = BATCH.extra
+    args = [BATCH.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"], BATCH.tree_indptr, BATCH.tree_order]
+    from_tensors = treeattn.TreeAttentionPlan.paged(*args, page_size=4, num_pages=pages.shape[0])
+    from_host = treeattn.TreeAttentionPlan.paged(*(a.numpy() for a in args), page_size=4, num_pages=pages.shape[0])
+    for name in ("q_indptr", "page_indptr", "page_indices", "last_page_len", "tree_indptr", "tree_order"):
+        got, want = getattr(from_host, name), getattr(from_tensors, name)
+        assert got.dtype == torch.int32 and torch.equal(got, want), name
+    for name in ("kv_lens", "tree_sizes", "page_indices_host", "qo_lens"):
+        np.testing.assert_array_equal(getattr(from_host, name), getattr(from_tensors, name))
+    assert from_host.page_id_bound == from_tensors.page_id_bound == int(e["page_indices"].max()) + 1
+    with pytest.raises(ValueError, match="last_page_len must be 1-D"):
+        treeattn.TreeAttentionPlan.paged(*(a.numpy() for a in args[:3]), np.zeros((8, 1), np.int32), *args[4:],
+                                         page_size=4, num_pages=pages.shape[0])
 
 
 def test_request_without_pages_must_have_last_page_len_zero():

@@ -70,8 +70,9 @@ def _indptr(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
 
 
-def _device_i32(arr, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int32)).to(device)
+def _i32(arr) -> np.ndarray:
+    """Host index array for a plan, which validates it on the host and uploads it once."""
+    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _cat_orders(orders: list[np.ndarray]) -> np.ndarray:
@@ -87,9 +88,8 @@ def _paged_plan(requests, page_size: int, num_pages: int, device: torch.device) 
     orders = [r[3] for r in requests if r[3] is not None]
     tree_sizes = [0 if r[3] is None else r[3].shape[0] for r in requests]
     return TreeAttentionPlan.paged(
-        _device_i32(_indptr(q_lens), device), _device_i32(_indptr(counts), device),
-        _device_i32(np.concatenate(page_ids) if page_ids else np.zeros(0), device), _device_i32(last, device),
-        _device_i32(_indptr(tree_sizes), device), _device_i32(_cat_orders(orders), device),
+        _i32(_indptr(q_lens)), _i32(_indptr(counts)), _i32(np.concatenate(page_ids) if page_ids else np.zeros(0)),
+        _i32(last), _i32(_indptr(tree_sizes)), _i32(_cat_orders(orders)),
         page_size=page_size, num_pages=num_pages, total_q=sum(q_lens), device=device)
 
 
@@ -123,9 +123,8 @@ def plan_forward(steps: list[Step], *, page_size: int, num_pages: int, num_kv_he
     orders = [chain_order(s.append) if s.order is None else s.order for s in steps]
     tree_sizes = _indptr([o.shape[0] for o in orders])
     ragged = TreeAttentionPlan.ragged(
-        _device_i32(appends, device), _device_i32(appends, device), _device_i32(tree_sizes, device),
-        _device_i32(_cat_orders(orders), device), total_q=int(appends[-1]), total_kv=int(appends[-1]),
-        device=device)
+        _i32(appends), _i32(appends), _i32(tree_sizes), _i32(_cat_orders(orders)),
+        total_q=int(appends[-1]), total_kv=int(appends[-1]), device=device)
     paged = None
     if any(s.old_len for s in steps):  # tree size 0: every cached token is visible
         paged = _paged_plan([(s.append, s.old_len, s.pages, None) for s in steps], page_size, num_pages, device)

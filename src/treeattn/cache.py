@@ -32,8 +32,9 @@ Semantics, precisely:
   or ``OutOfPagesError`` (a ``RuntimeError`` with ``needed``/``free``), always before anything
   changes. Between ``begin_forward`` and ``end_forward`` only ``attention``, ``end_forward``,
   ``abort_forward`` and read-only queries are allowed. Layers may run in any order, each exactly
-  once; a failed ``attention`` call writes nothing and can be retried. ``end_forward`` refuses
-  while a layer has not run; ``abort_forward`` rolls the whole forward back instead.
+  once; a failed ``attention`` call leaves its layer not run and can be retried (it may already have
+  stored that layer's new K/V, in slots only this forward owns, which the retry overwrites).
+  ``end_forward`` refuses while a layer has not run; ``abort_forward`` rolls the whole forward back.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ._cache_plan import ForwardPlans, Step, kv_rows, plan_forward
 from .backends import get_backend
 from .ops import FLOAT_DTYPES, _check_float, _check_heads, resolve_sm_scale
 from .rope import RoPE
-from .tree import TokenTree, as_parents, tree_depths, tree_order
+from .tree import TokenTree, as_parents, order_and_depth
 
 __all__ = ["ForwardInfo", "OutOfPagesError", "PagedKVCache"]
 
@@ -77,6 +78,7 @@ class _Forward:
     seqs: list[Sequence]
     undo: list[tuple[int, tuple]]  # per sequence: length and tree state before the forward
     done: np.ndarray  # bool per layer
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # with rope: computed by the first layer, shared
 
 
 def _int(x, name: str) -> int:
@@ -267,8 +269,8 @@ class PagedKVCache:
                 states.append(s.tree_state())
                 positions.append(np.arange(s.length, s.length + a))
             else:
-                depth = tree_depths(parents).numpy().astype(np.int64)
-                states.append((parents, tree_order(parents).numpy().astype(np.int64), depth))
+                order, depth = order_and_depth(parents)
+                states.append((parents, order, depth))
                 positions.append(s.committed_len + depth[-a:])
 
         fresh = self._pool.allocate(needed)
@@ -323,7 +325,9 @@ class PagedKVCache:
         self._check_qkv(q, k, v, fwd.info.num_tokens)
         sm_scale = resolve_sm_scale(sm_scale, self.head_dim)
         if self.rope is not None:
-            q, k = self.rope.apply(q, fwd.info.positions), self.rope.apply(k, fwd.info.positions)
+            if fwd.cos_sin is None:
+                fwd.cos_sin = self.rope.cos_sin(fwd.info.positions, self.head_dim)
+            q, k = RoPE.rotate(q, *fwd.cos_sin), RoPE.rotate(k, *fwd.cos_sin)
         kv, plans, backend = self.kv_pages[layer], fwd.plans, self._backend
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

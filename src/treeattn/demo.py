@@ -158,6 +158,7 @@ def main_demo(args: argparse.Namespace) -> int:
     prompts = {f"prompt {i + 1}": p for i, p in enumerate(args.prompt)} if args.prompt else BUILTIN_PROMPTS
     ids = {name: _chat_ids(tokenizer, text) for name, text in prompts.items()}
     drafter = NGramDrafter(args.tree_budget)
+    slack = max(256, args.tree_budget)  # KV-cache room for one uncommitted tree per sequence
     stop = [tokenizer.eos_token_id]
     out.print(f"[bold]{MODEL_NAME}[/bold] on {args.device} ({args.dtype}, {threads} threads{why}), "
               f"loaded in {load_s:.0f} s; n-gram tree drafter, {args.tree_budget} nodes per tree")
@@ -165,7 +166,7 @@ def main_demo(args: argparse.Namespace) -> int:
     # Warm-up outside the timings: first calls initialise the BLAS kernels and the cache plans.
     warm = next(iter(ids.values()))[:32]
     generate(model, [warm], max_new_tokens=4)
-    generate(model, [warm], max_new_tokens=4, drafter=drafter)
+    generate(model, [warm], max_new_tokens=4, drafter=drafter, draft_slack=slack)
 
     done: list[_Prompt] = []
     greedy_results: list[GenerationResult] = []
@@ -176,7 +177,7 @@ def main_demo(args: argparse.Namespace) -> int:
             greedy = generate(model, [ids[n] for n in names], max_new_tokens=args.max_tokens, stop_tokens=stop)
         with out.status(f"speculative decoding, {len(names)} prompts in one batch..."):
             spec = generate(model, [ids[n] for n in names], max_new_tokens=args.max_tokens, stop_tokens=stop,
-                            drafter=drafter)
+                            drafter=drafter, draft_slack=slack)
         greedy_results, spec_results = [greedy], [spec]
         for b, name in enumerate(names):
             out.rule(name)
@@ -190,7 +191,7 @@ def main_demo(args: argparse.Namespace) -> int:
                               on_tokens=None if args.json else _Streamer(out, tokenizer, "dim"))
             out.print("\n[bold]speculative:[/bold]")
             spec = generate(model, [prompt_ids], max_new_tokens=args.max_tokens, stop_tokens=stop, drafter=drafter,
-                            on_tokens=None if args.json else _Streamer(out, tokenizer, ""))
+                            draft_slack=slack, on_tokens=None if args.json else _Streamer(out, tokenizer, ""))
             out.print()
             greedy_results.append(greedy)
             spec_results.append(spec)

@@ -40,7 +40,7 @@ def _check_heads(h_q: int, h_kv: int, d_q: int, d_kv: int, kv_name: str) -> None
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, torch.Tensor) or not isinstance(sm_scale, (int, float)):
+    if isinstance(sm_scale, (torch.Tensor, bool)) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale must be a Python float, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be finite and > 0, got {sm_scale}")
@@ -155,6 +155,9 @@ def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_
         _check_plan(plan, "paged")
         if plan.device != q.device or plan.total_q != q.shape[0] or plan.page_size != kv_pages.shape[3]:
             raise ValueError("plan was built for a different batch: its lengths, page size or device do not match")
+        if plan.page_id_bound > kv_pages.shape[0]:  # kernels would read past the end of kv_pages
+            raise ValueError(f"plan uses page id {plan.page_id_bound - 1}, "
+                             f"but kv_pages has only {kv_pages.shape[0]} pages")
     sm_scale = resolve_sm_scale(sm_scale, q.shape[2])
     out, lse = _outputs(q, out, lse)
     get_backend(backend, q.device).paged_tree_attention(q, kv_pages, plan, sm_scale=sm_scale, out=out, lse=lse)

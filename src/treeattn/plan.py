@@ -3,7 +3,9 @@
 A forward step of a model calls tree attention once per layer with the same ``indptr``/tree/page
 arrays. Checking those arrays needs their values on the host (one device sync on CUDA), so it is
 done once here, FlashInfer-style: ``plan = TreeAttentionPlan.ragged(...)`` then pass ``plan=`` to
-every call. The public functions build a plan themselves when none is given.
+every call. The public functions build a plan themselves when none is given. Index arrays given as
+numpy arrays or lists (as the KV cache does every step) are checked on the host and uploaded once,
+with no device-to-host copy at all.
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from .tree import MAX_TREE_SIZE
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+def _host_ints(x: Any, name: str) -> np.ndarray:
+    """A list or numpy array of integers as int64 numpy (floats refused: casting would truncate)."""
+    arr = np.asarray(x)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must hold integers, got {arr.dtype}")
+    return arr.astype(np.int64)
+
+
 def check_index_tensor(x: Any, name: str, *, ndim: int = 1, device: torch.device | None = None) -> torch.Tensor:
     """An int32 index tensor on ``device`` (int64 accepted and narrowed; Python lists too)."""
     if isinstance(x, (list, tuple, np.ndarray)):
-        x = torch.as_tensor(np.asarray(x, dtype=np.int64), device=device)
+        x = torch.as_tensor(_host_ints(x, name), device=device)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an int32 tensor, got {type(x).__name__}")
     if x.dtype not in _INT_DTYPES:
@@ -38,8 +48,19 @@ def check_index_tensor(x: Any, name: str, *, ndim: int = 1, device: torch.device
     return x.contiguous()
 
 
-def _check_indptr(indptr: torch.Tensor, name: str, batch_size: int | None, total: int | None, what: str) -> np.ndarray:
-    host = indptr.cpu().numpy().astype(np.int64)
+def _index_pair(x: Any, name: str, *, ndim: int = 1, device: torch.device | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    """``check_index_tensor`` plus the values as int64 on the host, with one transfer: host input
+    (lists, numpy: what the KV cache passes every step) is checked there and uploaded once; a
+    tensor is downloaded once. Never a round trip host -> device -> host (a sync each on CUDA)."""
+    if isinstance(x, (list, tuple, np.ndarray)):
+        host = _host_ints(x, name)
+        tensor = check_index_tensor(torch.from_numpy(host), name, ndim=ndim)
+        return (tensor if device is None else tensor.to(device)), host
+    tensor = check_index_tensor(x, name, ndim=ndim, device=device)
+    return tensor, tensor.cpu().numpy().astype(np.int64)
+
+
+def _check_indptr(host: np.ndarray, name: str, batch_size: int | None, total: int | None, what: str) -> np.ndarray:
     if host.shape[0] < 1:
         raise ValueError(f"{name} must have length batch_size + 1 >= 1, got an empty tensor")
     if batch_size is not None and host.shape[0] != batch_size + 1:
@@ -57,20 +78,54 @@ def _check_indptr(indptr: torch.Tensor, name: str, batch_size: int | None, total
 
 def check_tree_order(order_host: np.ndarray, tree_starts: np.ndarray, tree_sizes: np.ndarray) -> None:
     """Each tree's ``(enter, exit)`` must be a DFS numbering: enters a permutation of ``0..n-1``,
-    ``enter < exit <= n``, and intervals nested or disjoint (then they describe a forest)."""
-    for b, (start, n) in enumerate(zip(tree_starts.tolist(), tree_sizes.tolist())):
-        if n == 0:
-            continue
-        enter, exit_ = order_host[start:start + n, 0], order_host[start:start + n, 1]
-        where = f"tree_order[{start}:{start + n}] (request {b})"
-        if not np.array_equal(np.sort(enter), np.arange(n)):
-            raise ValueError(f"{where}: enter values must be a permutation of 0..{n - 1}")
-        if (exit_ <= enter).any() or (exit_ > n).any():
-            raise ValueError(f"{where}: each exit must satisfy enter < exit <= tree size {n}")
-        # Laminar: a node that starts inside another's interval must also end inside it.
-        inside = (enter[None, :] > enter[:, None]) & (enter[None, :] < exit_[:, None])
-        if (inside & (exit_[None, :] > exit_[:, None])).any():
-            raise ValueError(f"{where}: intervals overlap without nesting; not a DFS (enter, exit) order")
+    ``enter < exit <= n``, and intervals nested or disjoint (then they describe a forest).
+
+    Vectorised over the whole batch (no per-request Python loop: this runs every forward step).
+    Trees are laid side by side, tree ``b``'s preorder slot ``e`` at ``offset_b + e``, so one
+    interval family covers the batch and intervals of different trees are disjoint.
+    """
+    sizes = tree_sizes.astype(np.int64)
+    total = int(sizes.sum())
+    if total == 0:
+        return
+    offsets = np.cumsum(sizes) - sizes
+    owner = np.repeat(np.arange(sizes.shape[0]), sizes)  # request of every node
+    rows = np.repeat(tree_starts.astype(np.int64) - offsets, sizes) + np.arange(total)
+    enter, exit_, n = order_host[rows, 0], order_host[rows, 1], sizes[owner]
+
+    def fail(node: int, what: str):
+        b = int(owner[node])
+        start, size = int(tree_starts[b]), int(sizes[b])
+        raise ValueError(f"tree_order[{start}:{start + size}] (request {b}): {what}")
+
+    slot = offsets[owner] + enter
+    in_range = (enter >= 0) & (enter < n)
+    taken = np.bincount(slot[in_range], minlength=total)
+    if not in_range.all() or (taken != 1).any():
+        node = int(np.argmin(in_range)) if not in_range.all() else int(np.flatnonzero(taken[slot] != 1)[0])
+        fail(node, f"enter values must be a permutation of 0..{int(n[node]) - 1}")
+    bad_exit = np.flatnonzero((exit_ <= enter) | (exit_ > n))
+    if bad_exit.size:
+        fail(int(bad_exit[0]), f"each exit must satisfy enter < exit <= tree size {int(n[bad_exit[0]])}")
+    # Laminar: every interval starting strictly inside [e, x) must end by x, i.e. the largest end
+    # among slots e+1 .. x-1 is <= x. Range maxima come from a sparse table (log2(max n) levels).
+    lo, hi = slot + 1, offsets[owner] + exit_  # per node: the slots strictly inside its interval, [lo, hi)
+    end_at = np.empty(total, dtype=np.int64)  # per slot: where the interval starting there ends
+    end_at[slot] = hi
+    span = hi - lo
+    level = np.zeros(total, dtype=np.int64)
+    has = span > 0
+    level[has] = np.floor(np.log2(span[has])).astype(np.int64)
+    table, worst = end_at, np.full(total, -1, dtype=np.int64)
+    for k in range(int(level.max()) + 1 if has.any() else 0):
+        if k:  # table[i] = max(end_at[i : i + 2**k])
+            half = 1 << (k - 1)
+            table = np.maximum(table[:-half], table[half:])
+        sel = has & (level == k)
+        worst[sel] = np.maximum(table[lo[sel]], table[hi[sel] - (1 << k)])
+    crossing = np.flatnonzero(worst > hi)
+    if crossing.size:
+        fail(int(crossing[0]), "intervals overlap without nesting; not a DFS (enter, exit) order")
 
 
 @dataclass(eq=False)
@@ -100,6 +155,7 @@ class TreeAttentionPlan:
     page_starts: np.ndarray | None = None
     num_pages: np.ndarray | None = None
     page_indices_host: np.ndarray | None = None
+    page_id_bound: int = 0  # one past the largest page id used: a reused plan needs kv_pages this large
     # Backends keep derived data here (work partitions, device copies), computed once per plan.
     cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -114,32 +170,35 @@ class TreeAttentionPlan:
     @staticmethod
     def _trees(q_host, tree_indptr, tree_order, device, kv_lens) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         batch = q_host.shape[0] - 1
-        tree_indptr = check_index_tensor(tree_indptr, "tree_indptr", device=device)
-        tree_order = check_index_tensor(tree_order, "tree_order", ndim=2, device=device)
+        tree_indptr, t_host = _index_pair(tree_indptr, "tree_indptr", device=device)
+        tree_order, order_host = _index_pair(tree_order, "tree_order", ndim=2, device=device)
         if tree_order.shape[1] != 2:
             raise ValueError(f"tree_order must have shape [N, 2] (enter, exit), got {tuple(tree_order.shape)}")
-        t_host = _check_indptr(tree_indptr, "tree_indptr", batch, tree_order.shape[0], "tree_order.shape[0]")
+        t_host = _check_indptr(t_host, "tree_indptr", batch, tree_order.shape[0], "tree_order.shape[0]")
         qo, n = np.diff(q_host), np.diff(t_host)
-        for b in range(batch):
-            if n[b] > MAX_TREE_SIZE:
-                raise ValueError(f"request {b}: tree of {n[b]} nodes exceeds the maximum {MAX_TREE_SIZE}")
-            if n[b] and not qo[b] <= n[b] <= kv_lens[b]:  # n == 0: no mask, plain full attention
-                raise ValueError(
-                    f"request {b}: need qo_len <= tree size <= kv_len (query rows are the last tree nodes, "
-                    f"the tree is the last KV positions), got qo_len={qo[b]}, tree size={n[b]}, kv_len={kv_lens[b]}"
-                )
-        check_tree_order(tree_order.cpu().numpy().astype(np.int64), t_host[:-1], n)
+        too_big = np.flatnonzero(n > MAX_TREE_SIZE)
+        if too_big.size:
+            b = int(too_big[0])
+            raise ValueError(f"request {b}: tree of {n[b]} nodes exceeds the maximum {MAX_TREE_SIZE}")
+        misplaced = np.flatnonzero((n > 0) & ((qo > n) | (n > kv_lens)))  # n == 0: no mask, plain full attention
+        if misplaced.size:
+            b = int(misplaced[0])
+            raise ValueError(
+                f"request {b}: need qo_len <= tree size <= kv_len (query rows are the last tree nodes, "
+                f"the tree is the last KV positions), got qo_len={qo[b]}, tree size={n[b]}, kv_len={kv_lens[b]}"
+            )
+        check_tree_order(order_host, t_host[:-1], n)
         return tree_indptr, tree_order, t_host
 
     @classmethod
     def ragged(cls, q_indptr, kv_indptr, tree_indptr, tree_order, *, total_q: int | None = None,
                total_kv: int | None = None, device: torch.device | None = None) -> TreeAttentionPlan:
         """Plan a ragged batch (``tree_attention``); totals, when given, are checked against the indptrs."""
-        q_indptr = check_index_tensor(q_indptr, "q_indptr", device=device)
+        q_indptr, q_host = _index_pair(q_indptr, "q_indptr", device=device)
         device = q_indptr.device
-        kv_indptr = check_index_tensor(kv_indptr, "kv_indptr", device=device)
-        q_host = _check_indptr(q_indptr, "q_indptr", None, total_q, "q.shape[0]")
-        kv_host = _check_indptr(kv_indptr, "kv_indptr", q_host.shape[0] - 1, total_kv, "k.shape[0]")
+        kv_indptr, kv_host = _index_pair(kv_indptr, "kv_indptr", device=device)
+        q_host = _check_indptr(q_host, "q_indptr", None, total_q, "q.shape[0]")
+        kv_host = _check_indptr(kv_host, "kv_indptr", q_host.shape[0] - 1, total_kv, "k.shape[0]")
         kv_lens = np.diff(kv_host)
         tree_indptr, tree_order, t_host = cls._trees(q_host, tree_indptr, tree_order, device, kv_lens)
         return cls("ragged", device, q_indptr, tree_indptr, tree_order, q_host[:-1], np.diff(q_host), kv_lens,
@@ -150,36 +209,34 @@ class TreeAttentionPlan:
               page_size: int, num_pages: int, total_q: int | None = None,
               device: torch.device | None = None) -> TreeAttentionPlan:
         """Plan a paged batch (``paged_tree_attention``) over a pool of ``num_pages`` pages of ``page_size``."""
-        q_indptr = check_index_tensor(q_indptr, "q_indptr", device=device)
+        q_indptr, q_host = _index_pair(q_indptr, "q_indptr", device=device)
         device = q_indptr.device
-        page_indptr = check_index_tensor(page_indptr, "page_indptr", device=device)
-        page_indices = check_index_tensor(page_indices, "page_indices", device=device)
-        last_page_len = check_index_tensor(last_page_len, "last_page_len", device=device)
-        q_host = _check_indptr(q_indptr, "q_indptr", None, total_q, "q.shape[0]")
+        page_indptr, p_host = _index_pair(page_indptr, "page_indptr", device=device)
+        page_indices, ids = _index_pair(page_indices, "page_indices", device=device)
+        last_page_len, last = _index_pair(last_page_len, "last_page_len", device=device)
+        q_host = _check_indptr(q_host, "q_indptr", None, total_q, "q.shape[0]")
         batch = q_host.shape[0] - 1
-        p_host = _check_indptr(page_indptr, "page_indptr", batch, page_indices.shape[0], "page_indices.shape[0]")
-        ids = page_indices.cpu().numpy().astype(np.int64)
+        p_host = _check_indptr(p_host, "page_indptr", batch, page_indices.shape[0], "page_indices.shape[0]")
         if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
             bad = int(np.nonzero((ids < 0) | (ids >= num_pages))[0][0])
             raise ValueError(f"page_indices[{bad}] = {ids[bad]} is out of range for kv_pages with {num_pages} pages")
         if last_page_len.shape[0] != batch:
             raise ValueError(f"last_page_len has length {last_page_len.shape[0]}, expected batch_size = {batch}")
-        last = last_page_len.cpu().numpy().astype(np.int64)
         npages = np.diff(p_host)
-        for b in range(batch):
-            lo = 1 if npages[b] else 0
-            hi = page_size if npages[b] else 0
-            if not lo <= last[b] <= hi:
-                raise ValueError(
-                    f"last_page_len[{b}] = {last[b]} must be in [{lo}, {hi}] for a request with {npages[b]} pages "
-                    f"of size {page_size}"
-                )
+        lo, hi = (npages > 0).astype(np.int64), np.where(npages > 0, page_size, 0)  # [0, 0] without pages
+        bad_last = np.flatnonzero((last < lo) | (last > hi))
+        if bad_last.size:
+            b = int(bad_last[0])
+            raise ValueError(
+                f"last_page_len[{b}] = {last[b]} must be in [{lo[b]}, {hi[b]}] for a request with {npages[b]} pages "
+                f"of size {page_size}"
+            )
         kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
         tree_indptr, tree_order, t_host = cls._trees(q_host, tree_indptr, tree_order, device, kv_lens)
         return cls("paged", device, q_indptr, tree_indptr, tree_order, q_host[:-1], np.diff(q_host), kv_lens,
                    t_host[:-1], np.diff(t_host), page_indptr=page_indptr, page_indices=page_indices,
                    last_page_len=last_page_len, page_size=page_size, page_starts=p_host[:-1], num_pages=npages,
-                   page_indices_host=ids)
+                   page_indices_host=ids, page_id_bound=int(ids.max()) + 1 if ids.size else 0)
 
     def same_q_and_kv_layout(self) -> bool:
         return self.kv_starts is not None and np.array_equal(self.q_starts, self.kv_starts) and np.array_equal(self.qo_lens, self.kv_lens)

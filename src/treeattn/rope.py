@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from numbers import Real
 from typing import Any
 
 import torch
@@ -55,6 +56,12 @@ class RoPE:
             missing = [k for k in _REQUIRED[rope_type] if k not in scaling]
             if missing:
                 raise ValueError(f"scaling for rope_type {rope_type!r} is missing {', '.join(missing)}")
+            for key in _REQUIRED[rope_type]:  # TVM divides by or takes logs of each of them
+                value = scaling[key]
+                if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"scaling[{key!r}] must be a finite number > 0, got {value!r}")
+            if rope_type == "longrope" and scaling["original_max_position_embeddings"] <= 1:
+                raise ValueError("longrope scaling needs original_max_position_embeddings > 1 (TVM divides by its log)")
             if rope_type == "llama3" and scaling["high_freq_factor"] == scaling["low_freq_factor"]:
                 raise ValueError("llama3 scaling needs high_freq_factor != low_freq_factor (TVM divides by their difference)")
             if rope_type == "yarn":
@@ -144,9 +151,13 @@ class RoPE:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [L, H, d]`` at ``positions [L]``: computed in fp32, returned in ``x.dtype``."""
-        d = x.shape[-1]
-        cos, sin = self.cos_sin(positions, d)
+        return self.rotate(x, *self.cos_sin(positions, x.shape[-1]))
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half ``x [L, H, d]`` with precomputed ``cos_sin`` (fp32 ``[L, d]``), returned in
+        ``x.dtype``: a model computes cos/sin once per forward and rotates every layer with them."""
         xf = x.float()
-        half = d // 2
+        half = x.shape[-1] // 2
         partner = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
         return (cos[:, None, :] * xf + sin[:, None, :] * partner).to(x.dtype)

@@ -58,6 +58,10 @@ def _run(backend: str, name: str, requests, dtype, page_size, rope, device) -> R
     return Result(backend, name, out_err, lse_err, ok)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def run_check(device: str = "cpu", console: Console | None = None) -> int:
     """Print a table of errors per backend and case; return a process exit code (0 = all pass)."""
     console = console or Console()
@@ -70,12 +74,13 @@ def run_check(device: str = "cpu", console: Console | None = None) -> int:
         for name, requests, dtype, page_size, rope in CASES:
             r = _run(backend, name, requests, dtype, page_size, rope, device)
             results.append(r)
-            table.add_row(backend, name, str(dtype).replace("torch.", ""), f"{r.out_err:.2e}", f"{r.lse_err:.2e}",
+            table.add_row(backend, name, _dtype_name(dtype), f"{r.out_err:.2e}", f"{r.lse_err:.2e}",
                           "[green]ok[/]" if r.ok else "[red]FAIL[/]")
     console.print(table)
     failed = [r for r in results if not r.ok]
     if failed:
         console.print(f"[red]{len(failed)} of {len(results)} checks failed[/]")
         return 1
-    console.print(f"[green]all {len(results)} checks passed[/] (tolerances: fp32 2e-5, fp16 3e-3, bf16 2e-2; LSE 1e-3 rel)")
+    tolerances = ", ".join(f"{_dtype_name(dtype)} {atol:g}" for dtype, (atol, _) in TOL.items())
+    console.print(f"[green]all {len(results)} checks passed[/] (tolerances: {tolerances}; LSE {LSE_RTOL:g} rel)")
     return 0

@@ -53,8 +53,9 @@ def as_parents(parents: ParentsLike, name: str = "parents") -> np.ndarray:
     return arr
 
 
-def _order_arrays(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Preorder enter numbers and subtree sizes, children and roots in ascending index."""
+def _dfs_arrays(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Preorder enter numbers, subtree sizes and depths of validated parents (children and roots
+    in ascending index), in one backward and one forward sweep."""
     n = len(parents)
     plist = parents.tolist()
     size = [1] * n
@@ -63,6 +64,7 @@ def _order_arrays(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if p >= 0:
             size[p] += size[i]
     enter = [0] * n
+    depth = [0] * n
     next_slot = [0] * n  # next free preorder number below each node
     next_root = 0
     for i in range(n):  # ascending index visits each node's children in ascending order
@@ -73,28 +75,28 @@ def _order_arrays(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         else:
             e = next_slot[p]
             next_slot[p] += size[i]
+            depth[i] = depth[p] + 1
         enter[i] = e
         next_slot[i] = e + 1
-    return np.asarray(enter, dtype=np.int64), np.asarray(size, dtype=np.int64)
+    return (np.asarray(enter, dtype=np.int64), np.asarray(size, dtype=np.int64),
+            np.asarray(depth, dtype=np.int64))
+
+
+def order_and_depth(parents: ParentsLike, name: str = "parents") -> tuple[np.ndarray, np.ndarray]:
+    """Host ``int64`` arrays ``(tree_order [n, 2], depth [n])`` from one validation and one pair of
+    sweeps: what the KV cache needs every forward, without building tensors it would convert back."""
+    enter, size, depth = _dfs_arrays(as_parents(parents, name))
+    return np.stack([enter, enter + size], axis=1), depth
 
 
 def tree_order(parents: ParentsLike) -> torch.Tensor:
     """DFS ``(enter, exit)`` per node as an ``int32 [n, 2]`` tensor, byte-identical to TVM."""
-    enter, size = _order_arrays(as_parents(parents))
-    return torch.from_numpy(np.stack([enter, enter + size], axis=1).astype(np.int32))
+    return torch.from_numpy(order_and_depth(parents)[0].astype(np.int32))
 
 
 def tree_depths(parents: ParentsLike) -> torch.Tensor:
     """Depth of every node (roots are 0) as an ``int32 [n]`` tensor."""
-    return torch.from_numpy(_depths(as_parents(parents)).astype(np.int32))
-
-
-def _depths(parents: np.ndarray) -> np.ndarray:
-    depth = [0] * len(parents)
-    for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            depth[i] = depth[p] + 1
-    return np.asarray(depth, dtype=np.int64)
+    return torch.from_numpy(order_and_depth(parents)[1].astype(np.int32))
 
 
 def pack_trees(trees: Sequence[ParentsLike]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +184,7 @@ class TokenTree:
     @cached_property
     def depth(self) -> torch.Tensor:
         """``int32 [n]`` depth of each node (roots are 0)."""
-        return torch.from_numpy(_depths(self.parents).astype(np.int32))
+        return tree_depths(self.parents)
 
     @property
     def is_chain(self) -> bool:

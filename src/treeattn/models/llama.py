@@ -31,6 +31,11 @@ def rope_from_hf(config) -> RoPE:
     """``treeattn.RoPE`` for an HF config (``rope_parameters`` in transformers 5, ``rope_theta`` /
     ``rope_scaling`` before). Supported: default, linear and llama3 scaling, which match HF exactly;
     others differ between HF and TVM (yarn's attention factor, dynamic NTK) and are refused."""
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is None:
+        partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:  # RoPE here rotates the whole head dim, as TVM's kernels do
+        raise ValueError(f"partial_rotary_factor = {partial} is not supported (RoPE rotates the full head dim)")
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -112,15 +117,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [T, H, d]`` with precomputed fp32 ``cos, sin [T, d]`` (as
-    ``RoPE.apply``, whose cos/sin would otherwise be recomputed for every layer)."""
-    xf = x.float()
-    half = x.shape[-1] // 2
-    partner = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None, :] + partner * sin[:, None, :]).to(x.dtype)
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -233,7 +229,7 @@ class LlamaTreeModel:
                 q = _rms_norm(q, layer.q_norm, c.rms_norm_eps)
             if layer.k_norm is not None:
                 k = _rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            attn = attention(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+            attn = attention(i, RoPE.rotate(q, cos, sin), RoPE.rotate(k, cos, sin), v)
             x = x + _linear(attn.reshape(t, nq), layer.o, layer.o_bias)
             h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate_up = _linear(h, layer.gate_up, layer.gate_up_bias)

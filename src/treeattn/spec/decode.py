@@ -136,8 +136,16 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
         if drafter is None:
             trees = [DraftTree.root_only(contexts[b][-1]) for b in ids]
         else:
-            trees = drafter.propose([np.asarray(contexts[b]) for b in ids], hidden=hidden[ids])
+            trees = list(drafter.propose([np.asarray(contexts[b]) for b in ids], hidden=hidden[ids]))
+            if len(trees) != len(ids):  # zip below would silently drop sequences
+                raise ValueError(f"the drafter returned {len(trees)} trees for {len(ids)} sequences")
             for b, tree in zip(ids, trees):
+                if not isinstance(tree, DraftTree):
+                    raise TypeError(f"the drafter returned a {type(tree).__name__} for sequence {b}, "
+                                    "expected a DraftTree")
+                if tree.size > draft_slack:  # the cache was sized for draft_slack uncommitted nodes
+                    raise ValueError(f"the drafter's tree for sequence {b} has {tree.size} nodes, more than "
+                                     f"draft_slack = {draft_slack}; pass a larger draft_slack to generate()")
                 if tree.tokens[0] != contexts[b][-1]:
                     raise ValueError(f"the drafter's tree for sequence {b} has root token {tree.tokens[0]}, "
                                      f"expected the sequence's last token {contexts[b][-1]}")
