@@ -1,4 +1,16 @@
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))  # lets test files import the shared `cases` module
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation (and stalls on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -20,13 +20,7 @@ from treeattn._cache_plan import CHAIN_CHUNK
 BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("treeattn.backends.cpu") else [])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(*, layers=2, h_q=4, h_kv=2, d=16, page_size=4, num_pages=64, dtype=torch.float32, rope_theta=None,

@@ -23,13 +23,7 @@ MAX_SEQS = 5
 BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("treeattn.backends.cpu") else [])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @st.composite
