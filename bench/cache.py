@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from treeattn.benchmarks.cache import add_cache_bench_arguments, main_cache_bench
+from treeattn.cli.bench_cache import add_cache_bench_arguments, main_cache_bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

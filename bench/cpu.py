@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from treeattn.benchmarks.cpu import add_cpu_bench_arguments, main_cpu_bench
+from treeattn.cli.bench_cpu import add_cpu_bench_arguments, main_cpu_bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import treeattn
-from cases import TOL
+from tests.helpers import TOL
 
 
 @dataclass

@@ -1,10 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # lets test files import the shared `cases` module
 
 
 @pytest.fixture(scope="module")

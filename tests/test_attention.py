@@ -12,14 +12,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from cases import (MIXED, TOL, Batch, Request, assert_close_to_reference, binary, chain, forest, make_batch,
+from tests.helpers import (MIXED, TOL, Batch, Request, assert_close_to_reference, binary, chain, forest, make_batch,
                    outputs_for, paginate, parent_arrays, poisoned, random_tree, star)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeattn
 from treeattn.backends import available_backends
-from treeattn.reference import EMPTY_LSE
+from treeattn.lse import EMPTY_LSE
 
 BACKENDS = [b for b in available_backends("cpu") if b not in ("reference", "triton")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

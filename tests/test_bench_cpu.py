@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from treeattn.benchmarks.cpu import run_cpu_bench
+from treeattn.cli.bench_cpu import run_cpu_bench
 
 
 def test_cpu_bench_tiny_grid(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import treeattn
-from cache_model import ModelCache
-from cases import binary, chain, forest, star
+from tests.cache_model import ModelCache
+from tests.helpers import binary, chain, forest, star
 from treeattn import OutOfPagesError, PagedKVCache, TokenTree
 from treeattn._cache_plan import CHAIN_CHUNK
 

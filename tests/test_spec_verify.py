@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeattn.spec import (DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy,
+from treeattn.speculative import (DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy,
                            verify_sampling)
 
 

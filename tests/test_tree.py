@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 
 import treeattn
-from cases import binary, chain, forest, parent_arrays, star
+from tests.helpers import binary, chain, forest, parent_arrays, star
 
 GOLDEN = [
     ([-1, 0, 0, 1, 1, 2, 2], [(0, 7), (1, 4), (4, 7), (2, 3), (3, 4), (5, 6), (6, 7)]),

@@ -26,7 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton")
 
 import treeattn  # noqa: E402
-from cases import (MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch,  # noqa: E402
+from tests.helpers import (MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch,  # noqa: E402
                    outputs_for, parent_arrays, poisoned, random_tree, star)
 from treeattn.backends import triton as tb  # noqa: E402
 from treeattn.backends.triton.dispatch import cdiv, choose_tiles, partition_arrays, split_chunk  # noqa: E402

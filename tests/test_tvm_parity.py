@@ -26,12 +26,12 @@ import torch
 
 pytest.importorskip("tvm")
 
-import tvm_oracle as oracle  # noqa: E402
-from cases import MIXED, Request, binary, chain, forest, make_batch, poisoned, random_tree, star  # noqa: E402
+from tests import tvm_oracle as oracle  # noqa: E402
+from tests.helpers import MIXED, Request, binary, chain, forest, make_batch, poisoned, random_tree, star  # noqa: E402
 
 import treeattn  # noqa: E402
 from treeattn.backends import available_backends, get_backend  # noqa: E402
-from treeattn.reference import EMPTY_LSE  # noqa: E402
+from treeattn.lse import EMPTY_LSE  # noqa: E402
 
 pytestmark = pytest.mark.tvm
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeattn
-from cases import MIXED, Request, binary, chain, make_batch, parent_arrays
+from tests.helpers import MIXED, Request, binary, chain, make_batch, parent_arrays
 from treeattn.plan import check_tree_order
 
 BATCH = make_batch(MIXED, h_q=4, h_kv=2, d=16, seed=0, page_size=4)

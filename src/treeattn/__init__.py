@@ -1,6 +1,6 @@
 """treeattn: exact, fast tree attention for tree-based speculative decoding."""
 
-from .cache import OutOfPagesError, PagedKVCache
+from .kvcache import OutOfPagesError, PagedKVCache
 from .ops import merge_state, paged_tree_attention, tree_attention
 from .plan import TreeAttentionPlan
 from .rope import RoPE

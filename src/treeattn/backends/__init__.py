@@ -1,56 +1,66 @@
-"""Backend registry. A backend is a module exposing three functions over validated, planned inputs:
+"""Backend registry and capability dispatch (xFormers-style: each backend declares what it serves).
 
-``tree_attention(q, k, v, plan, *, sm_scale, rope, q_positions, k_positions, out, lse)``,
-``paged_tree_attention(q, kv_pages, plan, *, sm_scale, out, lse)`` and
-``merge_state(out_a, lse_a, out_b, lse_b, *, out, lse)``; each writes ``out``/``lse`` in place.
+``select(name, spec)`` returns the backend for a call: the named one if it can serve the call, or
+with ``name=None`` the fastest capable one, in the order of ``BACKENDS`` (Triton, then the CPU
+backend). The float64 reference serves every call but is only used when asked for by name. When
+nothing fits, the error lists why each backend cannot run.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-from types import ModuleType
 
 import torch
 
-BACKENDS = ("reference", "cpu", "triton")
-_MODULES = {"reference": "treeattn.reference", "cpu": "treeattn.backends.cpu", "triton": "treeattn.backends.triton"}
+from .base import AttentionSpec, Backend
+
+__all__ = ["BACKENDS", "AttentionSpec", "Backend", "available_backends", "get_backend", "select"]
+
+# Fastest first: backend=None takes the first capable one that may be picked automatically.
+BACKENDS = ("triton", "cpu", "reference")
+_CLASSES = {"triton": ("treeattn.backends.triton", "TritonBackend"),
+            "cpu": ("treeattn.backends.cpu", "CpuBackend"),
+            "reference": ("treeattn.backends.reference", "ReferenceBackend")}
+_instances: dict[str, Backend] = {}
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Triton runs on CUDA tensors, or on CPU tensors through its interpreter (``TRITON_INTERPRET=1``)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` (imported on first use)."""
+    if name not in _CLASSES:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None, got {name!r}")
+    if name not in _instances:
+        module, cls = _CLASSES[name]
+        _instances[name] = getattr(importlib.import_module(module), cls)()
+    return _instances[name]
+
+
+def _why_not(backend: Backend, spec: AttentionSpec) -> str | None:
+    return backend.unavailable() or backend.unsupported(spec)
+
+
+def select(name: str | Backend | None, spec: AttentionSpec) -> Backend:
+    """The backend that runs ``spec``: ``name``'s if it can, else the fastest capable one for ``None``."""
+    if isinstance(name, Backend):
+        name = name.name
+    if name is not None:
+        backend = get_backend(name)
+        reason = _why_not(backend, spec)
+        if reason:
+            raise ValueError(f"backend={name!r} cannot run this call ({spec.describe()}): {reason}")
+        return backend
+    reasons = []
+    for candidate in BACKENDS:
+        backend = get_backend(candidate)
+        reason = _why_not(backend, spec) or (None if backend.auto else "only used when asked for by name "
+                                              "(backend='reference': float64 on the CPU, slow)")
+        if reason is None:
+            return backend
+        reasons.append(f"  {candidate}: {reason}")
+    raise ValueError(f"no backend can run this call ({spec.describe()}):\n" + "\n".join(reasons))
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """Backends that can run plain fp32 tree attention on ``device`` here (the reference always can)."""
     device = torch.device(device)
-    names = ["reference"]
-    if device.type == "cpu":
-        names.append("cpu")
-    if triton_usable(device):
-        names.append("triton")
-    return names
-
-
-def default_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "cpu"
-
-
-def get_backend(name: str | None, device: torch.device) -> ModuleType:
-    """The backend module for ``name`` (``None``: the fastest one for ``device``)."""
-    if name is None:
-        name = default_backend(device)
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None, got {name!r}")
-    if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device}")
-    if name == "triton" and not triton_usable(device):
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("backend='triton' needs the triton package: pip install 'treeattn[triton]'")
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 "
-            "before importing triton to run the kernels in Triton's interpreter"
-        )
-    return importlib.import_module(_MODULES[name])
+    spec = AttentionSpec(device, torch.float32, 2, 1, 64, 64)
+    return [n for n in BACKENDS if _why_not(get_backend(n), spec) is None]

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from ..plan import TreeAttentionPlan
-from ..reference import EMPTY_LSE
+from ..lse import EMPTY_LSE
 from ..rope import RoPE
 from ..tree import ancestor_mask
 

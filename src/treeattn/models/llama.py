@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..cache import ForwardInfo, PagedKVCache
+from ..kvcache import ForwardInfo, PagedKVCache
 from ..rope import RoPE
 
 __all__ = ["LlamaConfig", "LlamaTreeModel", "ModelOutput", "rope_from_hf"]

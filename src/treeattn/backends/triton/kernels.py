@@ -19,7 +19,7 @@ Launched through ``launch.py`` (which checks that triton was imported in the mod
 import triton
 import triton.language as tl
 
-EMPTY_LSE = tl.constexpr(-5e4)  # LSE of a row with no keys (= treeattn.reference.EMPTY_LSE)
+EMPTY_LSE = tl.constexpr(-5e4)  # LSE of a row with no keys (= treeattn.lse.EMPTY_LSE)
 # Tables (built in dispatch.py): requests [B, 8] = q_start, qo_len, kv_start (ragged) or page_start
 # (paged), kv_len, tree_start, tree_size, num_splits, part_start; work [items, 5] = request,
 # first row, kv_lo, kv_hi, split index (-1: not split); counts [2] = live items, live tokens.

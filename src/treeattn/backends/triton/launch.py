@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from ...reference import LOG2E
+from ...lse import LOG2E
 
 MERGE_BLOCK_ROWS = 16  # (row, head) pairs per merge_state program
 MERGE_BLOCK_H = 16  # heads per program of the split merge

@@ -9,10 +9,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import ops
-from .backends import available_backends
-from .rope import RoPE
-from .testing import LSE_RTOL, MIXED, TOL, Request, binary, chain, forest, make_batch, poisoned, star
+from .. import ops
+from ..backends import available_backends
+from ..rope import RoPE
+from ..testing import LSE_RTOL, MIXED, TOL, Request, binary, chain, forest, make_batch, poisoned, star
 
 CASES = [
     # name, requests, dtype, page size (None: ragged), rope

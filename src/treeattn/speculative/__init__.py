@@ -1,6 +1,6 @@
 """Tree speculative decoding: drafters propose token trees, the target verifies them in one forward."""
 
-from .decode import GenerationResult, generate
+from .generate import GenerationResult, generate
 from .drafters import CandidateSource, Drafter, MedusaHeads, NGramDrafter, StaticTreeDrafter
 from .verify import DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy, verify_sampling
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import PagedKVCache
+from ..kvcache import PagedKVCache
 from ..ops import paged_tree_attention
 from ..plan import TreeAttentionPlan
 from ..testing import random_tree

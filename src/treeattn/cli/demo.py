@@ -20,9 +20,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .models.loader import ModelNotAvailable, load_smollm2
-from .spec import NGramDrafter
-from .spec.decode import GenerationResult, generate
+from ..models.loader import ModelNotAvailable, load_smollm2
+from ..speculative import NGramDrafter
+from ..speculative.generate import GenerationResult, generate
 
 _CODE = '''def parse_config(path):
     settings = {}

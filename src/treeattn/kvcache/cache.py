@@ -46,12 +46,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._cache_pages import OutOfPagesError, PagePool, Sequence, num_pages_for, slots
-from ._cache_plan import ForwardPlans, Step, kv_rows, plan_forward
-from .backends import get_backend
-from .ops import FLOAT_DTYPES, _check_float, _check_heads, resolve_sm_scale
-from .rope import RoPE
-from .tree import TokenTree, as_parents, order_and_depth
+from .pages import OutOfPagesError, PagePool, Sequence, num_pages_for, slots
+from .step import ForwardPlans, Step, kv_rows, plan_forward
+from ..backends import get_backend
+from ..ops import FLOAT_DTYPES, _check_float, _check_heads, resolve_sm_scale
+from ..rope import RoPE
+from ..tree import TokenTree, as_parents, order_and_depth
 
 __all__ = ["ForwardInfo", "OutOfPagesError", "PagedKVCache"]
 

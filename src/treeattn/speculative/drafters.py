@@ -4,7 +4,7 @@ A drafter is anything with ``propose(contexts, hidden=None) -> list[DraftTree]``
 protocol): ``contexts[b]`` is every token of sequence ``b`` so far (prompt and output; the last one
 is the root of the tree to build, accepted but not yet run through the target), ``hidden[b]`` the
 target's final hidden state at the position that predicted that root (what Medusa/EAGLE-style heads
-read; ``None`` when the caller has none). Trees are verified by ``treeattn.spec.verify``.
+read; ``None`` when the caller has none). Trees are verified by ``treeattn.speculative.verify``.
 
 - ``NGramDrafter``: model-free prompt lookup that builds a tree from every place the current suffix
   occurred before, ranked by match length and frequency, merged by common prefix, within a budget.

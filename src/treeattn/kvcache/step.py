@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._cache_pages import num_pages_for, slots
-from .plan import TreeAttentionPlan
+from .pages import num_pages_for, slots
+from ..plan import TreeAttentionPlan
 
 CHAIN_CHUNK = 512
 

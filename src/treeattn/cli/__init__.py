@@ -7,13 +7,13 @@ import sys
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .selfcheck import run_check
+    from .check import run_check
 
     return run_check(args.device)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmarks.cpu import main_cpu_bench
+    from .bench_cpu import main_cpu_bench
 
     return main_cpu_bench(args)
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check)
 
     bench = sub.add_parser("bench", help="benchmark the CPU backend against SDPA, FlexAttention and TVM")
-    from .benchmarks.cpu import add_cpu_bench_arguments
+    from .bench_cpu import add_cpu_bench_arguments
 
     add_cpu_bench_arguments(bench)
     bench.set_defaults(run=_bench)

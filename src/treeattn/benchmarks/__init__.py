@@ -1,1 +1,0 @@
-"""Benchmarks that ship with the package, so ``treeattn bench`` can run them on any machine."""
