@@ -62,6 +62,8 @@ def _index_pair(x: Any, name: str, *, ndim: int = 1, device: torch.device | None
         tensor = check_index_tensor(torch.from_numpy(host), name, ndim=ndim)
         return (tensor if device is None else tensor.to(device)), host
     tensor = check_index_tensor(x, name, ndim=ndim, device=device)
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor, which holds no values; index arrays need real values")
     if tensor is x:
         tensor = tensor.clone()
     return tensor, tensor.cpu().numpy().astype(np.int64)

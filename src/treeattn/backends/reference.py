@@ -66,7 +66,7 @@ class ReferenceBackend(Backend):
     auto = False
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
-        return None
+        return "meta tensors hold no values to attend over" if spec.device.type == "meta" else None
 
     def _run(self, q, fetch, plan: TreeAttentionPlan, sm_scale: float, out, lse) -> None:
         q = q.double().cpu()
