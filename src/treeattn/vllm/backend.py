@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,12 +32,24 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ..layout import PagedKV
+from ..layout import PagedKV, SlotIndex
 from ..ops import paged_tree_attention
 from ..plan import TreeAttentionPlan
 from .batch import causal_plan
 
 logger = init_logger("vllm.treeattn")
+
+
+class _DropThreadWarning(logging.Filter):
+    """vLLM's CPU worker binds its OpenMP threads and replaces ``torch.set_num_threads`` with a warning.
+    treeattn's CPU backend asks for one thread around small ops, twice per layer: inside the worker the
+    request is ignored (the bound threads stay, which is what vLLM wants), so its warning is only noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torch.set_num_threads" not in record.getMessage()
+
+
+logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropThreadWarning())
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +116,10 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
         keep = slot_mapping >= 0  # vLLM marks padding tokens with slot -1
-        PagedKV.wrap(split_kv_cache(kv_cache), "HND").write(slot_mapping[keep], key[:n][keep], value[:n][keep])
+        slot = slot_mapping[keep].long()
+        pages = PagedKV.wrap(split_kv_cache(kv_cache), "HND")
+        # SlotIndex built on the cache's device: no host round trip of vLLM's slot mapping.
+        pages.write(SlotIndex(slot // pages.page_size, slot % pages.page_size), key[:n][keep], value[:n][keep])
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: TreeAttentionMetadata | None, output: torch.Tensor,
@@ -114,8 +130,8 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         if attn_metadata is None:  # vLLM's profiling run: no batch, nothing to attend
             return output
         plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
-        paged_tree_attention(query[:rows], plan.q_indptr, split_kv_cache(kv_cache), plan.page_indptr,
-                             plan.page_indices, plan.last_page_len, plan.tree_indptr, plan.tree_order,
+        # Index arrays None: the plan's own (built once per step by the builder).
+        paged_tree_attention(query[:rows], None, split_kv_cache(kv_cache), None, None, None, None, None,
                              kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows],
                              backend=self.backend)
         return output
