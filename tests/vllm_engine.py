@@ -31,6 +31,7 @@ def _generate(llm, job) -> list[list[int]]:
 def _with_bad_requests(llm, job) -> tuple[list[list[int]], list[str]]:
     """Good requests interleaved with bad ones on one engine: the bad are refused, the good finish."""
     from vllm import SamplingParams, TokensPrompt
+    from vllm.exceptions import VLLMClientError
 
     engine, errors, good = llm.llm_engine, [], {}
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
@@ -42,7 +43,7 @@ def _with_bad_requests(llm, job) -> tuple[list[list[int]], list[str]]:
                 engine.add_request(f"bad-{j}", TokensPrompt(prompt_token_ids=bad["prompt"]),
                                    SamplingParams(**bad["sampling"]))
                 errors.append("accepted")
-            except (ValueError, TypeError) as e:
+            except (VLLMClientError, ValueError) as e:  # vLLM's refusal of a bad request
                 errors.append(f"{type(e).__name__}: {e}")
     while engine.has_unfinished_requests():
         for out in engine.step():
