@@ -1,10 +1,8 @@
 """treeattn as a vLLM attention backend (the contract of ``vllm/v1/attention/backend.py``, vLLM 0.32).
 
-- **Cache**: the same pages as vLLM's ``CPU_ATTN``: layout ``LBHNC``, each layer's cache
-  ``[num_blocks, h_kv, block_size, 2 * head_size]`` whose ``(block, head)`` cell holds the block's
-  K rows then its V rows. Seen as ``(k, v)`` it is treeattn's ``HND`` pair of strided views, so the
-  kernels read and write vLLM's tensor in place, and anything that handles ``CPU_ATTN`` pages
-  (KV connectors, offloading) keeps working.
+- **Cache**: the same pages as vLLM's ``CPU_ATTN`` (layout ``LBHNC``), seen by ``batch.split_kv_cache``
+  as treeattn's ``HND`` pair of strided views: the kernels read and write vLLM's tensor in place,
+  and anything that handles ``CPU_ATTN`` pages (KV connectors, offloading) keeps working.
 - **Builder**: once per step, vLLM's batch becomes one ``TreeAttentionPlan`` (``batch.causal_plan``),
   shared by every layer of the KV cache group.
 - **Impl**: ``do_kv_cache_update`` stores the new K/V by vLLM's ``slot_mapping``; ``forward`` is
@@ -35,7 +33,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..layout import PagedKV, SlotIndex
 from ..ops import paged_tree_attention
 from ..plan import TreeAttentionPlan
-from .batch import causal_plan
+from .batch import causal_plan, split_kv_cache
 
 logger = init_logger("vllm.treeattn")
 
@@ -50,13 +48,6 @@ class _DropThreadWarning(logging.Filter):
 
 
 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropThreadWarning())
-
-
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k, v)``, each ``[num_blocks, h_kv, block_size, head_size]`` (HND), views of one layer's cache."""
-    blocks, heads, block_size, two_d = kv_cache.shape
-    k, v = kv_cache.view(blocks, heads, 2 * block_size, two_d // 2).chunk(2, dim=2)
-    return k, v
 
 
 @dataclass

@@ -1,4 +1,8 @@
-"""vLLM's batch description -> one ``TreeAttentionPlan`` (no vLLM import: testable on its own).
+"""vLLM's cache and batch as treeattn sees them (no vLLM import: testable on its own).
+
+vLLM 0.32's ``CPU_ATTN`` pages (layout ``LBHNC``) give each layer a cache
+``[num_blocks, h_kv, block_size, 2 * head_size]`` whose ``(block, head)`` cell holds the block's K rows,
+then its V rows: ``split_kv_cache`` views it as treeattn's ``HND`` ``(k, v)`` pair, without a copy.
 
 vLLM describes a step by ``query_start_loc`` (new tokens per request), ``seq_lens`` (cached +
 new tokens) and a block table (page ids per request, page = block). Its attention is causal, and
@@ -20,7 +24,14 @@ import torch
 from ..kvcache.step import CHAIN_CHUNK
 from ..plan import TreeAttentionPlan
 
-__all__ = ["causal_plan"]
+__all__ = ["causal_plan", "split_kv_cache"]
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)``, each ``[num_blocks, h_kv, block_size, head_size]`` (HND), views of one layer's cache."""
+    blocks, heads, block_size, two_d = kv_cache.shape
+    k, v = kv_cache.view(blocks, heads, 2 * block_size, two_d // 2).chunk(2, dim=2)
+    return k, v
 
 
 def _host(x, name: str) -> np.ndarray:

@@ -1,0 +1,79 @@
+"""``treeattn.vllm.batch``: vLLM's batch and cache as treeattn sees them (no vLLM needed).
+
+A mixed vLLM step (prefill chunk, decode, speculative verification, an idle request) over a cache
+laid out as vLLM's ``CPU_ATTN`` pages must give dense causal attention, also when runs are cut
+into several kernel requests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from treeattn import paged_tree_attention
+from treeattn.layout import PagedKV
+from treeattn.vllm.batch import causal_plan, split_kv_cache
+
+H_Q, H_KV, D, PAGE, BLOCKS = 4, 2, 16, 8, 32
+# (cached tokens, new tokens): prefill chunk after a prefix, decode, verification of 1 + 3, idle, fresh prompt
+REQUESTS = [(11, 9), (40, 1), (17, 4), (10, 0), (0, 13)]
+
+
+def dense_causal(q, k, v, scale):
+    """Rows are the last ``len(q)`` positions of ``k``/``v``; float64, GQA by contiguous groups."""
+    group = H_Q // H_KV
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    pos_q = torch.arange(k.shape[0] - q.shape[0], k.shape[0])
+    scores.masked_fill_(torch.arange(k.shape[0])[None, :] > pos_q[:, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("chunk", [512, 3])
+def test_mixed_step_is_causal_attention(chunk, one_thread):
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.zeros(BLOCKS, H_KV, PAGE, 2 * D)  # one layer of vLLM's CPU_ATTN pages
+    pages = PagedKV.wrap(split_kv_cache(cache), "HND")
+    free = iter(torch.randperm(BLOCKS, generator=gen).tolist())
+    table = np.zeros((len(REQUESTS), 8), dtype=np.int32)
+    qs, refs, slot_ids, new_k, new_v = [], [], [], [], []
+    for b, (cached, new) in enumerate(REQUESTS):
+        seq = cached + new
+        table[b, : -(-seq // PAGE)] = [next(free) for _ in range(-(-seq // PAGE))]
+        k, v = torch.randn(seq, H_KV, D, generator=gen), torch.randn(seq, H_KV, D, generator=gen)
+        slots = table[b, np.arange(seq) // PAGE] * PAGE + np.arange(seq) % PAGE
+        pages.write(slots[:cached], k[:cached], v[:cached])  # earlier steps
+        slot_ids.append(slots[cached:]), new_k.append(k[cached:]), new_v.append(v[cached:])
+        q = torch.randn(new, H_Q, D, generator=gen)
+        qs.append(q)
+        refs.append(dense_causal(q, k, v, 0.3))
+    pages.write(np.concatenate(slot_ids), torch.cat(new_k), torch.cat(new_v))  # this step, by slot mapping
+
+    query_start_loc = np.concatenate([[0], np.cumsum([n for _, n in REQUESTS])])
+    seq_lens = np.array([c + n for c, n in REQUESTS])
+    plan = causal_plan(torch.from_numpy(query_start_loc).int(), torch.from_numpy(seq_lens).int(),
+                       torch.from_numpy(table), page_size=PAGE, num_pages=BLOCKS, chunk=chunk)
+    out, _ = paged_tree_attention(torch.cat(qs), None, split_kv_cache(cache), None, None, None, None, None,
+                                  kv_layout="HND", sm_scale=0.3, plan=plan, backend="cpu")
+    torch.testing.assert_close(out.double(), torch.cat(refs), atol=1e-5, rtol=1e-5)
+    assert plan.batch_size == (len(REQUESTS) if chunk == 512 else 3 + 1 + 2 + 1 + 5)
+
+
+def test_split_kv_cache_is_a_view_of_k_rows_then_v_rows():
+    cache = torch.arange(2 * 3 * 4 * 2 * 5, dtype=torch.float32).view(2, 3, 4, 10)
+    k, v = split_kv_cache(cache)
+    assert k.data_ptr() == cache.data_ptr() and k.shape == v.shape == (2, 3, 4, 5)
+    flat = cache.view(2, 3, 40)
+    assert torch.equal(k.reshape(2, 3, 20), flat[..., :20]) and torch.equal(v.reshape(2, 3, 20), flat[..., 20:])
+
+
+@pytest.mark.parametrize("query_start_loc, seq_lens, blocks, match", [
+    ([0, 5], [4], 1, "new tokens <= seq_len"),
+    ([0, 5], [40], 2, "fewer than seq_lens need"),
+    ([0, 5], [5, 6], 2, "expected query_start_loc"),
+])
+def test_bad_batches_are_refused(query_start_loc, seq_lens, blocks, match):
+    with pytest.raises(ValueError, match=match):
+        causal_plan(query_start_loc, seq_lens, np.zeros((len(seq_lens), blocks), dtype=np.int32),
+                    page_size=PAGE, num_pages=BLOCKS)
