@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 import treeattn
+from tests.helpers import MIXED, Request, as_layout, assert_close_to_reference, binary, chain, make_batch, outputs_for
 from treeattn.backends import available_backends
 from treeattn.layout import PagedKV, slots
-from tests.helpers import MIXED, Request, as_layout, assert_close_to_reference, binary, chain, make_batch, outputs_for
 
 BACKENDS = [b for b in available_backends("cpu") if b != "triton"]  # triton: tests/test_triton_interpreter.py
 LAYOUTS = ["TVM", "NHD", "HND", "views"]

@@ -311,6 +311,17 @@ class TreeAttentionPlan:
 
     # ------------------------------------------------------------------ backend state
 
+    def prepare(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                v_head_dim: int | None = None, backend=None) -> TreeAttentionPlan:
+        """Do the chosen backend's per-step host work now (work partition, device tables) rather than in the
+        first layer's call, as FlashInfer's ``plan()`` does; every later call of the step only runs."""
+        from .backends import AttentionSpec, select
+
+        spec = AttentionSpec(self.device, dtype, num_q_heads, num_kv_heads, head_dim,
+                             head_dim if v_head_dim is None else v_head_dim, page_size=self.page_size)
+        self.state(select(backend, spec), spec)
+        return self
+
     def state(self, backend: Backend, spec: AttentionSpec) -> Any:
         """The per-step state ``backend`` derives from this plan for calls like ``spec``: built on first use
         (under a lock, so threads sharing the plan build it once) and reused by every later layer."""

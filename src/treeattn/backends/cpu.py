@@ -42,6 +42,7 @@ from ..plan import TreeAttentionPlan
 from ..tree import ancestor_mask
 from .base import AttentionSpec, Backend
 from .reference import masked_attention
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 # Prefixes are attended in pieces of at most this many keys, so that a head's K and V piece stays in
@@ -333,6 +334,6 @@ class CpuBackend(Backend):
         _run(q, h_kv, state.jobs(threads), fetch, sm_scale, out, lse, threads)
 
     def merge_state(self, out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
-        o, l = merge(out_a, lse_a, out_b, lse_b, torch.float32)
-        out.copy_(o)
-        lse.copy_(l)
+        merged, merged_lse = merge(out_a, lse_a, out_b, lse_b, torch.float32)
+        out.copy_(merged)
+        lse.copy_(merged_lse)
