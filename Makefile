@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm check bench clean
+.PHONY: demo test test-vllm lint check bench clean
 
 # vLLM's CPU build lives in its own venv: it pins its own stack (transformers 5, triton 3.9) and must
 # not change the main one. Built once per checkout (the stamp), then reused.
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/treeattn demo
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
 
@@ -43,6 +43,9 @@ $(VLLM_STAMP): pyproject.toml
 # treeattn inside vLLM (tests marked `vllm`; they skip in the main venv).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
 
 check: $(STAMP)
 	$(BIN)/treeattn check
