@@ -104,8 +104,9 @@ def test_plugin_takes_cpu_attn_on_the_cpu(registry, monkeypatch):
 
 def test_plugin_registers_triton_as_custom_on_cuda(registry, monkeypatch):
     """Registration only: no GPU here (the kernels' own Triton checks run in the main suite)."""
-    import treeattn.vllm
     from vllm.platforms import current_platform
+
+    import treeattn.vllm
 
     monkeypatch.setenv("TREEATTN_VLLM", "1")
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)

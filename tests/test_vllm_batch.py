@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from treeattn import paged_tree_attention
+from treeattn.backends import available_backends
 from treeattn.layout import PagedKV
 from treeattn.vllm.batch import causal_plan, split_kv_cache
 
@@ -30,8 +31,9 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("backend", available_backends())
 @pytest.mark.parametrize("chunk", [512, 3])
-def test_mixed_step_is_causal_attention(chunk, one_thread):
+def test_mixed_step_is_causal_attention(chunk, backend, one_thread):
     gen = torch.Generator().manual_seed(0)
     cache = torch.zeros(BLOCKS, H_KV, PAGE, 2 * D)  # one layer of vLLM's CPU_ATTN pages
     pages = PagedKV.wrap(split_kv_cache(cache), "HND")
@@ -55,7 +57,7 @@ def test_mixed_step_is_causal_attention(chunk, one_thread):
     plan = causal_plan(torch.from_numpy(query_start_loc).int(), torch.from_numpy(seq_lens).int(),
                        torch.from_numpy(table), page_size=PAGE, num_pages=BLOCKS, chunk=chunk)
     out, _ = paged_tree_attention(torch.cat(qs), None, split_kv_cache(cache), None, None, None, None, None,
-                                  kv_layout="HND", sm_scale=0.3, plan=plan, backend="cpu")
+                                  kv_layout="HND", sm_scale=0.3, plan=plan, backend=backend)
     torch.testing.assert_close(out.double(), torch.cat(refs), atol=1e-5, rtol=1e-5)
     assert plan.batch_size == (len(REQUESTS) if chunk == 512 else 3 + 1 + 2 + 1 + 5)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def _generate(llm, job) -> list[list[int]]:
@@ -55,7 +56,7 @@ def _with_bad_requests(llm, job) -> tuple[list[list[int]], list[str]]:
 def main(spec_path: str, result_path: str) -> None:
     from vllm import LLM
 
-    spec = json.loads(open(spec_path).read())
+    spec = json.loads(Path(spec_path).read_text())
     llm = LLM(model=spec["model"], **spec["engine"])
     tokens, errors = {}, {}
     for job in spec["jobs"]:

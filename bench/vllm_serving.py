@@ -1,6 +1,6 @@
 """vLLM serving SmolLM2 with treeattn vs vLLM's own CPU_ATTN, in the same run.
 
-    python bench/vllm.py [--batches 1 16] [--prompt 512] [--new 128] [--out bench/results/vllm]
+    python bench/vllm_serving.py [--batches 1 16] [--prompt 512] [--new 128] [--out bench/results/vllm]
 
 Needs the vLLM venv (``make test-vllm`` builds it). SmolLM2 is converted to safetensors once; each
 backend then serves it in its own process (the plugin picks the class behind ``CPU_ATTN`` at start),
@@ -59,7 +59,7 @@ def table(results: dict, args) -> str:
     lines = [f"# vLLM {results['vllm']} on the CPU: SmolLM2-135M ({args.dtype}), prompt {args.prompt}, "
              f"{args.new} new tokens, prefill chunk {args.chunk}",
              "",
-             f"{results['machine']}; engines run one after the other in one `bench/vllm.py` run.",
+             f"{results['machine']}; engines run one after the other in one `bench/vllm_serving.py` run.",
              "",
              "| batch | backend | tokens/s | time to first token (s) | time per output token (ms) | wall (s) |",
              "|---:|---|---:|---:|---:|---:|"]
