@@ -117,6 +117,57 @@ def test_plugin_registers_triton_as_custom_on_cuda(registry, monkeypatch):
     assert backend.get_name() == "CUSTOM" and backend.get_impl_cls().backend == "triton"
 
 
+# ---------------------------------------------------------------- one layer, one step, against vLLM's kernels
+
+def test_one_mixed_step_matches_cpu_attn_kernels():
+    """Prefill, decode, verification and an idle request in one step: each backend writes the same
+    K/V with its own writer into its own pages, then attends; the outputs agree. (The pages are
+    not byte-identical: CPU_ATTN stores K transposed within a block for its kernels.)"""
+    import types
+
+    import numpy as np
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
+
+    from treeattn.vllm.backend import TreeAttentionCPUImpl, TreeAttentionMetadata
+    from treeattn.vllm.batch import causal_plan
+
+    h_q, h_kv, d, bs, blocks, scale = 4, 2, 32, 32, 16, 0.2
+    requests = [(0, 40), (70, 1), (33, 4), (5, 0)]  # (cached, new) tokens
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.tensor([c + n for c, n in requests], dtype=torch.int32)
+    table = torch.randperm(blocks, generator=gen)[:12].view(4, 3).to(torch.int32)
+    slots = torch.cat([table[b, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for b, n in enumerate(seq_lens.tolist())])
+    k, v = torch.randn(len(slots), h_kv, d, generator=gen), torch.randn(len(slots), h_kv, d, generator=gen)
+    qsl = torch.tensor(np.cumsum([0] + [n for _, n in requests]), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), h_q, d, generator=gen)
+    isa = _get_attn_isa(torch.float32, bs, d)
+    layer = types.SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+
+    theirs = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)  # its __init__ needs a whole model config
+    theirs.__dict__.update(attn_type="decoder", use_zentorch_sdpa=False, sinks=None, scale=scale, alibi_slopes=None,
+                           sliding_window=-1, logits_soft_cap=0, kv_cache_dtype="auto")
+    cache = torch.zeros(blocks, h_kv, bs, 2 * d)
+    theirs.do_kv_cache_update(layer, k, v, cache, slots)
+    scheduler = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=4, num_heads=h_q, num_kv_heads=h_kv, head_dim=d, seq_lens=seq_lens, dtype=torch.float32,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    expected = torch.zeros_like(q)
+    theirs.forward(layer, q, None, None, cache, CPUAttentionMetadata(
+        num_actual_tokens=q.shape[0], max_query_len=40, query_start_loc=qsl, max_seq_len=71, seq_lens=seq_lens,
+        block_table=table, slot_mapping=slots, scheduler_metadata=scheduler), expected)
+
+    ours = TreeAttentionCPUImpl(h_q, d, scale, h_kv)
+    cache = torch.zeros(blocks, h_kv, bs, 2 * d)
+    ours.do_kv_cache_update(layer, k, v, cache, slots)
+    plan = causal_plan(qsl, seq_lens, table, page_size=bs, num_pages=blocks)
+    out = torch.full_like(q, float("nan"))
+    ours.forward(layer, q, None, None, cache, TreeAttentionMetadata(plan, q.shape[0]), out)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+
+
 # ---------------------------------------------------------------- SmolLM2: the real model
 
 @pytest.fixture(scope="module")

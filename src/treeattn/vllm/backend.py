@@ -1,8 +1,11 @@
 """treeattn as a vLLM attention backend (the contract of ``vllm/v1/attention/backend.py``, vLLM 0.32).
 
-- **Cache**: the same pages as vLLM's ``CPU_ATTN`` (layout ``LBHNC``), seen by ``batch.split_kv_cache``
-  as treeattn's ``HND`` pair of strided views: the kernels read and write vLLM's tensor in place,
-  and anything that handles ``CPU_ATTN`` pages (KV connectors, offloading) keeps working.
+- **Cache**: vLLM allocates it as for ``CPU_ATTN`` (layout ``LBHNC``, one ``[num_blocks, h_kv,
+  block_size, 2 * head_size]`` tensor per layer); ``batch.split_kv_cache`` views each
+  ``(block, head)`` cell as plain K rows then V rows, treeattn's ``HND`` pair, so the kernels read
+  and write vLLM's tensor in place. Inside a cell the bytes differ from ``CPU_ATTN``'s (which packs
+  K per CPU ISA, e.g. transposed), so tools that parse ``CPU_ATTN`` pages (its NIXL connector) do
+  not apply.
 - **Builder**: once per step, vLLM's batch becomes one ``TreeAttentionPlan`` (``batch.causal_plan``),
   shared by every layer of the KV cache group.
 - **Impl**: ``do_kv_cache_update`` stores the new K/V by vLLM's ``slot_mapping``; ``forward`` is

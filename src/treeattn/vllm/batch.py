@@ -1,8 +1,9 @@
 """vLLM's cache and batch as treeattn sees them (no vLLM import: testable on its own).
 
-vLLM 0.32's ``CPU_ATTN`` pages (layout ``LBHNC``) give each layer a cache
-``[num_blocks, h_kv, block_size, 2 * head_size]`` whose ``(block, head)`` cell holds the block's K rows,
-then its V rows: ``split_kv_cache`` views it as treeattn's ``HND`` ``(k, v)`` pair, without a copy.
+vLLM 0.32 allocates each layer's cache as for ``CPU_ATTN`` (layout ``LBHNC``):
+``[num_blocks, h_kv, block_size, 2 * head_size]``. treeattn keeps a ``(block, head)`` cell as the
+block's K rows, then its V rows (``CPU_ATTN`` packs K its own way), and ``split_kv_cache`` views
+that as treeattn's ``HND`` ``(k, v)`` pair, without a copy.
 
 vLLM describes a step by ``query_start_loc`` (new tokens per request), ``seq_lens`` (cached +
 new tokens) and a block table (page ids per request, page = block). Its attention is causal, and
