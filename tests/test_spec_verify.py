@@ -110,7 +110,7 @@ def test_verify_dispatch_and_validation():
     logits = torch.randn(1, 6)
     assert verify([tree], logits).tokens == [[int(logits.argmax())]]
     assert verify([tree], logits, SamplingParams(temperature=0.0)).tokens == [[int(logits.argmax())]]
-    with pytest.raises(ValueError, match="rows"):
+    with pytest.raises(ValueError, match="one row per tree node"):
         verify_greedy([tree], torch.randn(2, 6))
     with pytest.raises(ValueError, match="rooted at node 0"):
         DraftTree(np.array([1, 2]), np.array([-1, -1]))
