@@ -38,6 +38,10 @@ def int_vector(x, name: str) -> np.ndarray:
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
         x = x.detach().cpu().numpy()
+    elif isinstance(x, (list, tuple)):  # numpy would read a bool among ints as 0 or 1
+        flags = [i for i, v in enumerate(x) if isinstance(v, (bool, np.bool_))]
+        if flags:
+            raise TypeError(f"{name}[{flags[0]}] must be an int, got a bool")
     try:
         arr = np.asarray(x)
     except ValueError:  # numpy's "inhomogeneous shape": a nested list of unequal lengths
