@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeattn.speculative import (DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy,
-                           verify_sampling)
+from treeattn.speculative import DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy, verify_sampling
 
 
 def chi2_sf(stat: float, dof: int) -> float:
@@ -182,7 +181,7 @@ def draft_batch(length, value, roots, g, q_table, mode):
     offset = torch.from_numpy(OFFSET)
     lens, vals = [length] + [None] * (n - 1), [value] + [None] * (n - 1)  # coded context of each node
     for parent in range(n):
-        kids = np.nonzero(SHAPE == parent)[0].tolist()
+        kids = np.nonzero(parent == SHAPE)[0].tolist()
         q = q_table[(offset[lens[parent]] + vals[parent]) % q_table.shape[0]]  # the draft depends on context
         taken = torch.zeros(batch, VOCAB, dtype=torch.bool)
         for rank, kid in enumerate(kids):
