@@ -75,26 +75,22 @@ def _encode(parents: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndar
         return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
     starts = np.cumsum(sizes) - sizes
     tree = np.repeat(np.arange(sizes.shape[0]), sizes)
-    is_root = parents < 0
     # Siblings share a key: their parent's global index, or total + tree for a tree's roots. A stable
     # sort by key lists each family together in ascending index, the order the tour visits it.
-    key = np.where(is_root, total + tree, parents + starts[tree])
+    key = np.where(parents < 0, total + tree, parents + starts[tree])
     by_key = np.argsort(key, kind="stable")
     sorted_key = key[by_key]
-    same_family = sorted_key[1:] == sorted_key[:-1]
-    next_sibling = np.full(total, -1, dtype=np.int64)
-    next_sibling[by_key[:-1][same_family]] = by_key[1:][same_family]
-    eldest = np.concatenate([[True], ~same_family])
-    has_parent = sorted_key[eldest] < total
-    first_child = np.full(total, -1, dtype=np.int64)
-    first_child[sorted_key[eldest][has_parent]] = by_key[eldest][has_parent]
+    youngest = np.append(sorted_key[1:] != sorted_key[:-1], True)  # last of its family
+    eldest = np.insert(youngest[:-1], 0, True)
 
     # Events: enter u = u, leave u = total + u, and one shared end of list at 2 * total.
     end = 2 * total
-    leave = np.arange(total, end)
     succ = np.empty(end + 1, dtype=np.int64)
-    succ[:total] = np.where(first_child >= 0, first_child, leave)
-    succ[total:end] = np.where(next_sibling >= 0, next_sibling, np.where(is_root, end, key + total))
+    succ[:total] = np.arange(total, end)  # enter u -> leave u, for a leaf
+    first_child = eldest & (sorted_key < total)
+    succ[sorted_key[first_child]] = by_key[first_child]  # enter u -> enter its first child
+    # leave u -> enter its next sibling; after the youngest, leave the parent (end, after a last root)
+    succ[total + by_key] = np.where(youngest, np.minimum(sorted_key + total, end), np.append(by_key[1:], end))
     succ[end] = end
     # Suffix sums of two weights: enters (1 per enter event) and level (+1 per enter, -1 per leave).
     enters = np.zeros(end + 1, dtype=np.int64)
