@@ -386,15 +386,19 @@ def _probs(*rows):
     (_probs([0, 0, 0], [0.5, 0.4, 0.3]), r"draft_probs\[1\] sums to 1\.2, expected 1"),
     (_probs([0, 0, 0], [2.0, 3.0, 5.0]), r"draft_probs\[1\] sums to 10"),
     (_probs([0, 0, 0], [0.5, 0.0, 0.5]), r"draft_probs\[1, tokens\[1\]\] = 0"),
-    (_probs([0, 0]), r"draft_probs must be a float tensor of shape \[2, vocab\]"),
+    (_probs([0, 0]), r"draft_probs must have shape \[2, vocab\] \(one row per node\), got \(1, 2\)"),
     (_probs([1.0], [1.0]), r"tokens\[1\] = 1 is outside draft_probs' vocabulary of 1"),
-    (torch.tensor([[0, 0, 0], [0, 1, 0]]), "draft_probs must be a float tensor"),
-    ([[0, 0, 0], [0, 1, 0]], "draft_probs must be a float tensor"),
 ])
 def test_draft_probs_must_be_distributions_that_can_draw_the_token(draft_probs, message):
     """Issue 15 defect 7: NaN, negative, unnormalised rows or a zero at the drafted token voided
     the lossless guarantee without a word."""
     with pytest.raises(ValueError, match=message):
+        DraftTree([0, 1], [-1, 0], draft_probs=draft_probs)
+
+
+@pytest.mark.parametrize("draft_probs", [torch.tensor([[0, 0, 0], [0, 1, 0]]), [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+def test_draft_probs_must_be_a_float_tensor(draft_probs):
+    with pytest.raises(TypeError, match=r"draft_probs must be a float tensor \[2, vocab\]"):
         DraftTree([0, 1], [-1, 0], draft_probs=draft_probs)
 
 
@@ -404,6 +408,8 @@ def test_draft_probs_tolerances():
     DraftTree([0, 1], [-1, 0], draft_probs=torch.tensor([[9.0, 9.0, 9.0], [0.3, 0.3, 0.41]]).bfloat16())
     with pytest.raises(ValueError, match="sums to"):
         DraftTree([0, 1], [-1, 0], draft_probs=torch.tensor([[0.0, 0.0, 0.0], [0.3, 0.3, 0.41]]))
+    with pytest.raises(ValueError, match=r"draft_probs\[2, tokens\[2\]\] = 0: node 2"):  # the first bad row is named
+        DraftTree([0, 1, 2], [-1, 0, 0], draft_probs=torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
 
 
 @pytest.mark.parametrize("kwargs,error,message", [

@@ -85,31 +85,36 @@ class DraftTree(TokenTree):
 
 def _check_draft_probs(q, tokens: np.ndarray) -> None:
     n = tokens.shape[0]
-    if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 2 or q.shape[0] != n:
-        raise ValueError(f"draft_probs must be a float tensor of shape [{n}, vocab], got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        raise TypeError(f"draft_probs must be a float tensor [{n}, vocab], got "
+                        f"{q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dim() != 2 or q.shape[0] != n:
+        raise ValueError(f"draft_probs must have shape [{n}, vocab] (one row per node), got {tuple(q.shape)}")
     vocab = q.shape[1]
     if (tokens >= vocab).any():
         i = int(np.argmax(tokens >= vocab))
         raise ValueError(f"tokens[{i}] = {int(tokens[i])} is outside draft_probs' vocabulary of {vocab}")
-    rows = q[1:].float()  # row 0 (the root's) is ignored
     if n == 1:
         return
-    bad = ~(torch.isfinite(rows) & (rows >= 0)).all(dim=1)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0]) + 1
-        raise ValueError(f"draft_probs[{i}] has a NaN, infinite or negative entry: each row must be a distribution")
-    sums = rows.sum(dim=1)
-    off = (sums - 1).abs() > _ROW_SUM_TOL.get(q.dtype, _ROW_SUM_TOL_DEFAULT)
-    if bool(off.any()):
-        i = int(off.nonzero()[0]) + 1
-        raise ValueError(f"draft_probs[{i}] sums to {float(sums[i - 1]):.6g}, expected 1: each row must be a "
-                         "distribution")
+    rows = q[1:].float()  # row 0 (the root's) is ignored
     at_token = rows[torch.arange(n - 1, device=q.device), torch.from_numpy(tokens[1:]).to(q.device)]
-    zero = at_token <= 0
-    if bool(zero.any()):
-        i = int(zero.nonzero()[0]) + 1
-        raise ValueError(f"draft_probs[{i}, tokens[{i}]] = 0: node {i}'s token could not have been drawn from its row")
+    # One host transfer for all three checks (q may live on a GPU): per row, [valid entries, sum, q(token)].
+    valid, sums, at_token = torch.stack([(torch.isfinite(rows) & (rows >= 0)).all(dim=1).float(),
+                                         rows.sum(dim=1), at_token]).cpu()
+    bad_entries = valid == 0
+    bad_sum = ~bad_entries & ((sums - 1).abs() > _ROW_SUM_TOL.get(q.dtype, _ROW_SUM_TOL_DEFAULT))
+    bad_token = ~bad_entries & ~(at_token > 0)
+    first = (bad_entries | bad_sum | bad_token).nonzero()
+    if first.numel() == 0:
+        return
+    i = int(first[0])
+    row = f"draft_probs[{i + 1}]"
+    if bad_entries[i]:
+        raise ValueError(f"{row} has a NaN, infinite or negative entry: each row must be a distribution")
+    if bad_sum[i]:
+        raise ValueError(f"{row} sums to {float(sums[i]):.6g}, expected 1: each row must be a distribution")
+    raise ValueError(f"draft_probs[{i + 1}, tokens[{i + 1}]] = 0: node {i + 1}'s token could not have been drawn "
+                     "from its row")
 
 
 @dataclass(frozen=True)
