@@ -110,7 +110,10 @@ def _encode(parents: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndar
 def encode_trees(trees: Sequence[ParentsLike], name: str = "trees") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate and encode a batch of trees in one go: host ``int64`` arrays
     ``(tree_indptr [B+1], tree_order [N, 2], depth [N])``. Tree ``b`` owns rows
-    ``tree_indptr[b]:tree_indptr[b+1]``; its ``(enter, exit)`` and depths are relative to it, as TVM's."""
+    ``tree_indptr[b]:tree_indptr[b+1]``; its ``(enter, exit)`` and depths are relative to it, as TVM's.
+
+    Encode a batch with one call, not one call per tree: an encoding costs a fixed few dozen numpy
+    calls (tens of microseconds) plus a little per node, so small trees are cheap only together."""
     if isinstance(trees, (torch.Tensor, np.ndarray, TokenTree)) or not isinstance(trees, Sequence):
         raise TypeError(f"{name} must be a list of parent arrays, one per request, got {type(trees).__name__}")
     arrays = [p.parents if isinstance(p, TokenTree) else int_vector(p, f"{name}[{b}]") for b, p in enumerate(trees)]
