@@ -81,7 +81,7 @@ def _encode(parents: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndar
     by_key = np.argsort(key, kind="stable")
     sorted_key = key[by_key]
     youngest = np.append(sorted_key[1:] != sorted_key[:-1], True)  # last of its family
-    eldest = np.insert(youngest[:-1], 0, True)
+    eldest = np.concatenate(([True], youngest[:-1]))
 
     # Events: enter u = u, leave u = total + u, and one shared end of list at 2 * total.
     end = 2 * total
