@@ -12,12 +12,27 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.helpers import (MIXED, TOL, Batch, Request, assert_close_to_reference, binary, chain, forest, make_batch,
-                   outputs_for, paginate, parent_arrays, poisoned, random_tree, star)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeattn
+from tests.helpers import (
+    MIXED,
+    TOL,
+    Batch,
+    Request,
+    assert_close_to_reference,
+    binary,
+    chain,
+    forest,
+    make_batch,
+    outputs_for,
+    paginate,
+    parent_arrays,
+    poisoned,
+    random_tree,
+    star,
+)
 from treeattn.backends import AttentionSpec, available_backends, get_backend
 from treeattn.lse import EMPTY_LSE
 

@@ -62,6 +62,8 @@ def _index_pair(x: Any, name: str, *, ndim: int = 1, device: torch.device | None
         tensor = check_index_tensor(torch.from_numpy(host), name, ndim=ndim)
         return (tensor if device is None else tensor.to(device)), host
     tensor = check_index_tensor(x, name, ndim=ndim, device=device)
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor, which holds no values; index arrays need real values")
     if tensor is x:
         tensor = tensor.clone()
     return tensor, tensor.cpu().numpy().astype(np.int64)
@@ -308,6 +310,17 @@ class TreeAttentionPlan:
                                  f"(the plan's own) or build a new plan with TreeAttentionPlan.{self.kind}(...)")
 
     # ------------------------------------------------------------------ backend state
+
+    def prepare(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                v_head_dim: int | None = None, backend=None) -> TreeAttentionPlan:
+        """Do the chosen backend's per-step host work now (work partition, device tables) rather than in the
+        first layer's call, as FlashInfer's ``plan()`` does; every later call of the step only runs."""
+        from .backends import AttentionSpec, select
+
+        spec = AttentionSpec(self.device, dtype, num_q_heads, num_kv_heads, head_dim,
+                             head_dim if v_head_dim is None else v_head_dim, page_size=self.page_size)
+        self.state(select(backend, spec), spec)
+        return self
 
     def state(self, backend: Backend, spec: AttentionSpec) -> Any:
         """The per-step state ``backend`` derives from this plan for calls like ``spec``: built on first use

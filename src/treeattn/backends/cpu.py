@@ -42,6 +42,7 @@ from ..plan import TreeAttentionPlan
 from ..tree import ancestor_mask
 from .base import AttentionSpec, Backend
 from .reference import masked_attention
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 # Prefixes are attended in pieces of at most this many keys, so that a head's K and V piece stays in
@@ -315,28 +316,24 @@ class CpuBackend(Backend):
         return buf[:elements]
 
     def paged_tree_attention(self, q, kv: PagedKV, plan, state: CpuPlan, *, sm_scale, out, lse) -> None:
-        page_size, h_kv, d = kv.page_size, kv.num_kv_heads, kv.head_dim
-        # [h_kv, num_pages, page_size, d] views of the engine's pages, whatever their layout
-        k_heads, v_heads = kv.k.permute(2, 0, 1, 3), kv.v.permute(2, 0, 1, 3)
+        page_size, h_kv = kv.page_size, kv.num_kv_heads
 
         def fetch(job: _Job, start: int, end: int):
-            # Gather the pages covering [start, end) into [h_kv, keys, d] per tensor: contiguous keys per
+            # Gather the pages covering [start, end) into [h_kv, keys, d] per tensor: one key stride per
             # head, and small enough to stay in cache while the kernel reads them.
             first, last = start // page_size, -(-end // page_size)
             ids = state.page_ids[job.request][first:last]
-            size = h_kv * ids.shape[0] * page_size * d
-            buf = self._buffer(2 * size, q.dtype)
-            k_buf = buf[:size].view(h_kv, ids.shape[0], page_size, d)
-            v_buf = buf[size:].view(h_kv, ids.shape[0], page_size, d)
-            torch.index_select(k_heads, 1, ids, out=k_buf)
-            torch.index_select(v_heads, 1, ids, out=v_buf)
+            size = h_kv * ids.shape[0] * page_size * kv.head_dim
+            buf = self._buffer(size + h_kv * ids.shape[0] * page_size * kv.v_head_dim, q.dtype)
+            k = PagedKV.gather_heads(kv.k, ids, buf[:size])
+            v = PagedKV.gather_heads(kv.v, ids, buf[size:])
             lo, hi = start - first * page_size, end - first * page_size
-            return k_buf.view(h_kv, -1, d)[:, lo:hi], v_buf.view(h_kv, -1, d)[:, lo:hi]
+            return k[:, lo:hi], v[:, lo:hi]
 
         threads = torch.get_num_threads()
         _run(q, h_kv, state.jobs(threads), fetch, sm_scale, out, lse, threads)
 
     def merge_state(self, out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
-        o, l = merge(out_a, lse_a, out_b, lse_b, torch.float32)
-        out.copy_(o)
-        lse.copy_(l)
+        merged, merged_lse = merge(out_a, lse_a, out_b, lse_b, torch.float32)
+        out.copy_(merged)
+        lse.copy_(merged_lse)

@@ -50,13 +50,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out, (lse * LOG2E).transpose(0, 1)
 
 
-def _write(out, lse, rows: slice, o: torch.Tensor | None, l: torch.Tensor | None) -> None:
+def _write(out, lse, rows: slice, o: torch.Tensor | None, o_lse: torch.Tensor | None) -> None:
     if o is None:  # no keys at all
         out[rows] = 0
         lse[rows] = EMPTY_LSE
     else:
         out[rows] = o.to(out.dtype)
-        lse[rows] = l.to(lse.dtype)
+        lse[rows] = o_lse.to(lse.dtype)
 
 
 class ReferenceBackend(Backend):
@@ -66,7 +66,7 @@ class ReferenceBackend(Backend):
     auto = False
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
-        return None
+        return "meta tensors hold no values to attend over" if spec.device.type == "meta" else None
 
     def _run(self, q, fetch, plan: TreeAttentionPlan, sm_scale: float, out, lse) -> None:
         q = q.double().cpu()
@@ -79,8 +79,8 @@ class ReferenceBackend(Backend):
                 _write(out, lse, rows, None, None)
                 continue
             k, v = fetch(b)
-            o, l = masked_attention(q[rows], k.double().cpu(), v.double().cpu(), visible_mask(plan, b), sm_scale)
-            _write(out, lse, rows, o.to(out.device), l.to(lse.device))
+            o, o_lse = masked_attention(q[rows], k.double().cpu(), v.double().cpu(), visible_mask(plan, b), sm_scale)
+            _write(out, lse, rows, o.to(out.device), o_lse.to(lse.device))
 
     def tree_attention(self, q, k, v, plan, state, *, sm_scale, out, lse) -> None:
         def fetch(b: int):
@@ -97,6 +97,6 @@ class ReferenceBackend(Backend):
         self._run(q, fetch, plan, sm_scale, out, lse)
 
     def merge_state(self, out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
-        o, l = merge(out_a, lse_a, out_b, lse_b, torch.float64)
-        out.copy_(o.to(out.dtype))
-        lse.copy_(l.to(lse.dtype))
+        merged, merged_lse = merge(out_a, lse_a, out_b, lse_b, torch.float64)
+        out.copy_(merged.to(out.dtype))
+        lse.copy_(merged_lse.to(lse.dtype))

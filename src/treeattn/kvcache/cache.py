@@ -154,13 +154,21 @@ class PagedKVCache:
     ``"paged"`` (append its K/V, then one paged tree-attention call; the faster one on CPU, see
     ``bench/results/cache.md``) or ``"merge"`` (TVM's path: ragged attention over the new tokens,
     unmasked paged attention over the prefix, LSE merge). Later rounds always append first.
+    ``num_q_heads`` (optional) lets ``begin_forward`` do the backends' per-step host work for the
+    whole forward, so that ``attention`` only runs kernels.
+
+    Thread safety: a cache is used by one thread at a time. A call made while another thread is inside
+    the cache, or a layer run by another thread than the one that opened the forward, raises
+    ``RuntimeError`` at once (nothing changes); use one cache per thread or serialise the calls.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int, page_size: int = 16,
                  dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", backend: str | None = None,
-                 rope: RoPE | None = None, first_round: str = "paged"):
+                 rope: RoPE | None = None, first_round: str = "paged", num_q_heads: int | None = None):
         sizes = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                  "num_pages": num_pages, "page_size": page_size}
+        if num_q_heads is not None:
+            sizes["num_q_heads"] = num_q_heads
         for name, value in sizes.items():
             if _int(value, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -178,11 +186,13 @@ class PagedKVCache:
         self.kv_pages = torch.zeros(num_layers, num_pages, 2, num_kv_heads, page_size, head_dim,
                                     dtype=dtype, device=device)
         self.device = self.kv_pages.device
-        # Fail now, not at the first attention(), if the backend cannot serve this cache (the query head
-        # count is not known yet: the check uses one query head per KV head).
-        select(backend, AttentionSpec(self.device, dtype, num_kv_heads, num_kv_heads, head_dim, head_dim,
-                                      page_size=page_size))
-        self.backend = backend
+        if num_q_heads is not None and num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads = {num_q_heads} must be a multiple of num_kv_heads = {num_kv_heads}")
+        # Fail now, not at the first attention(), if the backend cannot serve this cache (without
+        # num_q_heads the check assumes one query head per KV head).
+        select(backend, AttentionSpec(self.device, dtype, num_q_heads or num_kv_heads, num_kv_heads, head_dim,
+                                      head_dim, page_size=page_size))
+        self.backend, self.num_q_heads = backend, num_q_heads
         self._layers = [PagedKV.wrap(self.kv_pages[layer]) for layer in range(num_layers)]
         # Every layer's pages as one pool (layer l's page p is page l * num_pages + p): one copy moves a
         # token in all layers at once.
@@ -329,6 +339,11 @@ class PagedKVCache:
         try:
             step = plan_step(steps, page_size=ps, num_pages=self.num_pages, device=self.device,
                              merge_first_round=self.first_round == "merge")
+            if self.num_q_heads is not None:  # the backends' per-step host work, now rather than in layer 0
+                for plan in (step.paged, step.ragged):
+                    if plan is not None:
+                        plan.prepare(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                     head_dim=self.head_dim, dtype=self.dtype, backend=self.backend)
         except BaseException:
             self._pool.release(fresh)
             raise
