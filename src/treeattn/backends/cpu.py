@@ -180,16 +180,20 @@ def _attend(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     """
     if k.shape[0] != 1:
         qp = qp.expand(k.shape[0], -1, -1, -1)
+    d_v = v.shape[-1]
+    if d_v < k.shape[-1] and v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
+        v = k  # MLA: V is K's first d_v dims, so P @ K holds P @ V in its first d_v dims (and flash can run)
     # The flash kernel has no soft-cap and needs one head dim for q, k and v.
     kernel = _flash if softcap is None and k.shape[-1] == v.shape[-1] else functools.partial(_explicit, softcap=softcap)
     parallel = threads > 1 and 4.0 * k.shape[0] * k.shape[1] * qp.shape[2] * k.shape[2] * k.shape[3] >= _PARALLEL_FLOPS
-    if not parallel:
-        return kernel(qp, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
-    torch.set_num_threads(threads)
+    if parallel:
+        torch.set_num_threads(threads)
     try:
-        return kernel(qp, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
+        o, lse = kernel(qp, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
     finally:
-        torch.set_num_threads(1)
+        if parallel:
+            torch.set_num_threads(1)
+    return o[..., :d_v], lse
 
 
 def _explicit(qp, k, v, dropout_p, is_causal, *, attn_mask, scale, softcap):
@@ -291,7 +295,8 @@ def _run_job(q, h_kv: int, job: _Job, fetch: _Fetch, step: _Step, out_rows, lse_
             k_edge, v_edge = fetch(job, *job.masked[0])
             k, v = torch.cat([k_edge, k], dim=1), torch.cat([v_edge, v], dim=1)
         tree = slice(k.shape[1] - job.tree_size, None)  # the keys some rows cannot see
-        if bool(torch.isfinite(k[:, tree]).all()) and bool(torch.isfinite(v[:, tree]).all()):
+        # One reduction: the sum is finite iff every value is (an overflowing sum only costs the exact path).
+        if bool(torch.isfinite(k[:, tree].sum(dtype=torch.float32) + v[:, tree].sum(dtype=torch.float32))):
             parts.append(_attend(qp, k[None], v[None], job.mask, sm_scale, threads, softcap))
         else:
             parts.append(_exact_masked(q[job.q_start:job.q_end], k, v, job.mask, sm_scale, softcap))
@@ -361,7 +366,7 @@ class CpuBackend(Backend):
         return buf[:elements]
 
     def paged_tree_attention(self, q, kv: PagedKV, plan, state: CpuPlan, *, sm_scale, out, lse, sinks=None) -> None:
-        page_size, h_kv = kv.page_size, kv.num_kv_heads
+        page_size, h_kv, shared = kv.page_size, kv.num_kv_heads, kv.shares_storage()
 
         def fetch(job: _Job, start: int, end: int):
             # Gather the pages covering [start, end) into [h_kv, keys, d] per tensor: one key stride per
@@ -369,10 +374,13 @@ class CpuBackend(Backend):
             first, last = start // page_size, -(-end // page_size)
             ids = state.page_ids[job.request][first:last]
             size = h_kv * ids.shape[0] * page_size * kv.head_dim
+            lo, hi = start - first * page_size, end - first * page_size
+            if shared:  # MLA: gather the latent once; V is a view of its first dims
+                k = PagedKV.gather_heads(kv.k, ids, self._buffer(size, q.dtype))[:, lo:hi]
+                return k, k[..., :kv.v_head_dim]
             buf = self._buffer(size + h_kv * ids.shape[0] * page_size * kv.v_head_dim, q.dtype)
             k = PagedKV.gather_heads(kv.k, ids, buf[:size])
             v = PagedKV.gather_heads(kv.v, ids, buf[size:])
-            lo, hi = start - first * page_size, end - first * page_size
             return k[:, lo:hi], v[:, lo:hi]
 
         step = _Step(sm_scale, state.spec.logit_softcap, sinks, torch.get_num_threads())
