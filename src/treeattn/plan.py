@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from .tree import MAX_TREE_SIZE, check_tree_order
+from .tree import MAX_TREE_SIZE, check_tree_order, path_sums
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import AttentionSpec, Backend
@@ -233,17 +233,11 @@ class TreeAttentionPlan:
 
     @cached_property
     def node_depths(self) -> np.ndarray:
-        """Depth of every tree node (roots 0), int64 ``[N]`` in ``tree_order``'s rows: the number of intervals
-        holding its ``enter``, less one (a +1/-1 sweep over each tree's preorder slots, all trees at once)."""
+        """Depth of every tree node (roots 0), int64 ``[N]`` in ``tree_order``'s rows: its ancestors-or-self
+        counted by the interval test, less one."""
         order = self._inputs["tree_order"].host.reshape(-1, 2)
-        if order.shape[0] == 0:
-            return np.zeros(0, dtype=np.int64)
-        owner = np.repeat(np.arange(self.batch_size), self.tree_sizes)
-        base = self.tree_starts[owner]
-        events = np.zeros(order.shape[0] + 1, dtype=np.int64)
-        np.add.at(events, base + order[:, 0], 1)
-        np.add.at(events, base + order[:, 1], -1)
-        return np.cumsum(events)[base + order[:, 0]] - 1
+        indptr = np.concatenate([self.tree_starts, [order.shape[0]]])
+        return path_sums(order, indptr, np.ones(order.shape[0])).astype(np.int64) - 1
 
     def positions(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``b``'s positions (for sliding windows): ``(row positions [qo_len], key positions [kv_len])``.
