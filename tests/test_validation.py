@@ -43,7 +43,7 @@ RAGGED_ERRORS = [
     (dict(q=q.to(torch.int32)), TypeError, "q must be float16, bfloat16 or float32"),
     (dict(q=q[0]), ValueError, "q must be 3-D"),
     (dict(k=k.half()), TypeError, "k has dtype torch.float16, expected torch.float32"),
-    (dict(v=BATCH.v[:-1]), ValueError, "k and v must have the same shape"),
+    (dict(v=BATCH.v[:-1]), ValueError, "k and v must have the same \\[keys, heads\\]"),
     (dict(k=k.to("meta")), ValueError, "k is on meta"),
     (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q must have a contiguous last dimension"),
     (dict(q=torch.randn(q.shape[0], 3, 16), ), ValueError, "multiple of k's 2 KV heads"),
@@ -57,9 +57,9 @@ RAGGED_ERRORS = [
      r"q_indptr\[-1\] = 1000 must equal q.shape\[0\]"),
     (dict(tree_order=BATCH.tree_order[:, :1]), ValueError, r"tree_order must have shape \[N, 2\]"),
     (dict(tree_order=BATCH.tree_order[:-1]), ValueError, r"tree_indptr\[-1\] = .* must equal tree_order.shape\[0\]"),
-    (dict(sm_scale=torch.tensor(0.1)), TypeError, "sm_scale must be a Python float"),
+    (dict(sm_scale=torch.tensor(0.1)), TypeError, "sm_scale must be a real number, got Tensor"),
     (dict(sm_scale=-1.0), ValueError, "sm_scale must be finite and > 0"),
-    (dict(sm_scale=True), TypeError, "sm_scale must be a Python float, got bool"),
+    (dict(sm_scale=True), TypeError, "sm_scale must be a real number, got bool"),
     (dict(q_indptr=[0, 7.5, *BATCH.q_indptr[2:].tolist()]), TypeError, "q_indptr must hold integers, got float64"),
     (dict(sm_scale=float("nan")), ValueError, "sm_scale must be finite and > 0"),
     (dict(rope="llama"), TypeError, "rope must be a treeattn.RoPE"),
@@ -153,7 +153,6 @@ pages = BATCH.extra["kv_pages"]
 PAGED_ERRORS = [
     (dict(kv_pages=pages[:, :1]), ValueError, r"kv_pages must have shape \[num_pages, 2, h_kv, page_size, d\]"),
     (dict(kv_pages=pages.transpose(3, 4).contiguous().transpose(3, 4)), ValueError, "kv_pages must have a contiguous last"),
-    (dict(kv_pages=pages[::2]), ValueError, "kv_pages must be contiguous"),
     (dict(kv_pages=pages.half()), TypeError, "kv_pages has dtype torch.float16"),
     (dict(page_indices=BATCH.extra["page_indices"].clone().fill_(pages.shape[0])), ValueError,
      r"page_indices\[0\] = \d+ is out of range for kv_pages with \d+ pages"),
@@ -217,12 +216,12 @@ def test_plan_of_the_wrong_kind_or_batch_is_rejected():
 
 
 def test_merge_state_errors():
-    o, l = torch.randn(4, 2, 8), torch.randn(4, 2)
+    o, o_lse = torch.randn(4, 2, 8), torch.randn(4, 2)
     with pytest.raises(ValueError, match="out_a and out_b must have the same shape"):
-        treeattn.merge_state(o, l, o[:3], l[:3])
+        treeattn.merge_state(o, o_lse, o[:3], o_lse[:3])
     with pytest.raises(TypeError, match="lse_b must be a float32 tensor"):
-        treeattn.merge_state(o, l, o, l.double())
+        treeattn.merge_state(o, o_lse, o, o_lse.double())
     with pytest.raises(ValueError, match=r"lse_a must have shape \(4, 2\)"):
-        treeattn.merge_state(o, l[:, :1], o, l)
+        treeattn.merge_state(o, o_lse[:, :1], o, o_lse)
     with pytest.raises(TypeError, match="out_b has dtype torch.float16"):
-        treeattn.merge_state(o, l, o.half(), l)
+        treeattn.merge_state(o, o_lse, o.half(), o_lse)

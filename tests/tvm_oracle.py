@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 import tvm
 from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace_cpu
 from tvm.relax.frontend.nn.llm._kernel_common import _rope
@@ -38,17 +37,17 @@ def _freeze(scaling: Mapping[str, Any]) -> tuple:
     return tuple(sorted(scaling.items()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _attention_kernel(kind: str, h_kv: int, h_q: int, d: int, dtype: str, frozen_scaling: tuple):
     return tvm.compile(_BUILDERS[kind](h_kv, h_q, d, dtype, dict(frozen_scaling)), target="llvm")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _merge_kernel(dtype: str):
     return tvm.compile(_merge_state_inplace_cpu(dtype), target="llvm")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rope_kernel(d: int, dtype: str, frozen_scaling: tuple):
     scaling = dict(frozen_scaling)
 
