@@ -29,15 +29,27 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton")
 
 import treeattn  # noqa: E402
-from tests.helpers import (MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch,  # noqa: E402
-                           outputs_for, parent_arrays, poisoned, random_tree, star)
-from treeattn.backends.base import AttentionSpec  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    MIXED,
+    Request,
+    as_layout,
+    assert_close_to_reference,
+    binary,
+    chain,
+    forest,
+    make_batch,
+    outputs_for,
+    parent_arrays,
+    poisoned,
+    random_tree,
+    star,
+)
+from treeattn.backends import AttentionSpec, select  # noqa: E402
 from treeattn.backends.triton import GraphEnvelope, TritonBackend  # noqa: E402
 from treeattn.backends.triton.partition import cdiv, choose_tiles, partition_arrays, split_chunk  # noqa: E402
 from treeattn.layout import PagedKV  # noqa: E402
-from treeattn.lse import EMPTY_LSE, LOG2E  # noqa: E402
+from treeattn.lse import EMPTY_LSE  # noqa: E402
 from treeattn.plan import TreeAttentionPlan  # noqa: E402
-from treeattn.tree import ancestor_mask  # noqa: E402
 
 pytestmark = pytest.mark.triton
 BACKEND = TritonBackend()
@@ -57,119 +69,61 @@ def _interpreter_ready(request):
         pytest.skip("triton was imported before TRITON_INTERPRET was set; covered by the fresh-process rerun")
 
 
-# ---------------------------------------------------------------- float64 reference over PagedKV
-
-
-def as_pages(k: torch.Tensor, v: torch.Tensor) -> PagedKV:
-    """Ragged ``k``/``v [L, h_kv, d]`` as a pool of pages of one token (page id = token index)."""
-    return PagedKV.wrap((k[:, None], v[:, None]), "NHD")
-
-
-def page_table(plan: TreeAttentionPlan, b: int) -> np.ndarray:
-    if plan.kind == "ragged":
-        start = int(plan.kv_starts[b])
-        return np.arange(start, start + int(plan.kv_lens[b]))
-    start = int(plan.page_starts[b])
-    return plan.page_indices_host[start:start + int(plan.num_pages[b])]
-
-
-def reference(q: torch.Tensor, kv: PagedKV, plan: TreeAttentionPlan, sm_scale: float):
-    """Dense float64 tree attention, one request at a time, reading keys through ``PagedKV.gather``."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full(q.shape[:2], EMPTY_LSE, dtype=torch.float64)
-    group = q.shape[1] // kv.num_kv_heads
-    for b in range(plan.batch_size):
-        qs, qo, kv_len, n = (int(x[b]) for x in (plan.q_starts, plan.qo_lens, plan.kv_lens, plan.tree_sizes))
-        if qo == 0 or kv_len == 0:
-            continue
-        k, v = (x.double().repeat_interleave(group, dim=1) for x in kv.gather(page_table(plan, b), kv_len))
-        visible = torch.ones(qo, kv_len, dtype=torch.bool)
-        if n:
-            ts = int(plan.tree_starts[b])
-            visible[:, kv_len - n:] = ancestor_mask(plan.tree_order[ts:ts + n])[n - qo:]
-        scores = torch.einsum("thd,lhd->htl", q[qs:qs + qo].double(), k) * sm_scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)
-        out[qs:qs + qo] = torch.einsum("htl,lhd->thd", torch.exp(scores - row_lse[..., None]), v)
-        lse[qs:qs + qo] = (row_lse * LOG2E).T
-    return out, lse.float()
-
-
 # ---------------------------------------------------------------- runs through the backend
+
+
+def ref(b, **kw):
+    """The float64 reference on the ragged keys (it never touches the paged addressing)."""
+    return treeattn.tree_attention(*b.ragged_args(), backend="reference", **kw)
 
 
 def ragged_plan(b):
     return TreeAttentionPlan.ragged(b.q_indptr, b.kv_indptr, b.tree_indptr, b.tree_order)
 
 
-def paged_plan(b, num_pages=None):
+def paged_plan(b):
     e = b.extra
     return TreeAttentionPlan.paged(b.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
                                    b.tree_indptr, b.tree_order, page_size=e["kv_pages"].shape[3],
-                                   num_pages=num_pages or e["kv_pages"].shape[0])
+                                   num_pages=e["kv_pages"].shape[0])
 
 
-def spec_of(q, kv: PagedKV, page_size=None, rope=False) -> AttentionSpec:
-    return AttentionSpec(q.device, q.dtype, q.shape[1], kv.num_kv_heads, kv.head_dim, kv.v_head_dim, page_size, rope)
+def paged_kv(b, layout: str = "TVM") -> PagedKV:
+    """``b``'s pages in an engine's layout (``testing.as_layout``), viewed as the kernels read them."""
+    return PagedKV.wrap(*as_layout(b.extra["kv_pages"], layout))
+
+
+def spec_of(q, h_kv: int, page_size=None) -> AttentionSpec:
+    return AttentionSpec(q.device, q.dtype, q.shape[1], h_kv, q.shape[2], q.shape[2], page_size)
 
 
 def check_ragged(b, *, kv_chunk=None, expect_split=None, sm_scale=None):
+    """Ragged tree attention through the backend (``kv_chunk`` forces the split) against the reference."""
     sm_scale = sm_scale or 1 / math.sqrt(b.q.shape[2])
     plan = ragged_plan(b)
-    state = BACKEND.plan(plan, spec_of(b.q, as_pages(b.k, b.v)), kv_chunk=kv_chunk)
+    state = BACKEND.plan(plan, spec_of(b.q, b.k.shape[1]), kv_chunk=kv_chunk)
     if expect_split is not None:
         assert state.launch_merge == expect_split
     out, lse = outputs_for(b.q)
     BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=sm_scale, out=out, lse=lse)
-    assert_close_to_reference(out, lse, *reference(b.q, as_pages(b.k, b.v), plan, sm_scale), b.q.dtype)
+    assert_close_to_reference(out, lse, *ref(b, sm_scale=sm_scale), b.q.dtype)
     return out, lse
 
 
-def check_paged(b, kv: PagedKV | None = None, *, kv_chunk=None, expect_split=None):
-    kv = kv or PagedKV.wrap(b.extra["kv_pages"])
-    sm_scale = 1 / math.sqrt(b.q.shape[2])
+def check_paged(b, layout: str = "TVM", *, kv_chunk=None, expect_split=None):
+    kv = paged_kv(b, layout)
     plan = paged_plan(b)
-    state = BACKEND.plan(plan, spec_of(b.q, kv, kv.page_size), kv_chunk=kv_chunk)
+    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=kv_chunk)
     if expect_split is not None:
         assert state.launch_merge == expect_split
     out, lse = outputs_for(b.q)
-    BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=sm_scale, out=out, lse=lse)
-    assert_close_to_reference(out, lse, *reference(b.q, kv, plan, sm_scale), b.q.dtype)
+    BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=1 / math.sqrt(b.q.shape[2]), out=out, lse=lse)
+    assert_close_to_reference(out, lse, *ref(b), b.q.dtype)
     return out, lse
 
 
-# Every engine's page layout, built from a TVM-layout pool: each is filled slot by slot through
-# PagedKV.write (garbage in unused slots comes along) and read by the kernel in place.
-LAYOUTS = ("TVM", "NHD", "HND", "NHD-views", "HND-views", "padded", "own-strides")
-
-
-def relayout(pages: torch.Tensor, layout: str, seed: int = 0) -> PagedKV:
-    src = PagedKV.wrap(pages)
-    if layout == "TVM":
-        return src
-    gen = torch.Generator().manual_seed(seed)
-    P, ps, h, d = src.k.shape
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(pages.dtype)  # noqa: E731
-    if layout == "NHD":
-        dst = PagedKV.wrap((rand(P, ps, h, d), rand(P, ps, h, d)), "NHD")
-    elif layout == "HND":
-        dst = PagedKV.wrap((rand(P, h, ps, d), rand(P, h, ps, d)), "HND")
-    elif layout == "NHD-views":  # K and V as views of one engine buffer [blocks, 2, page, h, d]
-        buf = rand(P, 2, ps, h, d)
-        dst = PagedKV.wrap((buf[:, 0], buf[:, 1]), "NHD")
-    elif layout == "HND-views":
-        buf = rand(P, 2, h, ps, d)
-        dst = PagedKV.wrap((buf[:, 0], buf[:, 1]), "HND")
-    elif layout == "padded":  # K and V interleaved in one buffer's rows, rows wider than d
-        buf = rand(P, ps, h, d + 24)
-        dst = PagedKV.wrap((buf[..., :d], buf[..., 24:]), "NHD")
-    else:  # "own-strides": K contiguous, V a view with a different page stride
-        buf = rand(P, 3, ps, h, d)
-        dst = PagedKV.wrap((rand(P, ps, h, d), buf[:, 2]), "NHD")
-        assert PagedKV.strides(dst.k) != PagedKV.strides(dst.v)
-    slot_ids = np.arange(P * ps)
-    dst.write(slot_ids, *src.read(slot_ids))
-    return dst
+# Every engine's page layout; each is read by the kernel in place (K and V with their own strides).
+LAYOUTS = ("TVM", "NHD", "HND", "views", "interleaved", "own-strides")
 
 
 # A batch with prefixes long enough that a 64-key chunk splits several requests (and not others).
@@ -265,21 +219,21 @@ def test_ragged_rope_then_attention_with_prefix_split():
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_paged_layouts_and_page_sizes(layout, page_size):
     b = make_batch(MIXED + LONG[:1], h_q=4, h_kv=2, d=32, dtype=torch.float16, seed=7, page_size=page_size)
-    check_paged(b, relayout(b.extra["kv_pages"], layout, seed=page_size), kv_chunk=0, expect_split=False)
+    check_paged(b, layout, kv_chunk=0, expect_split=False)
 
 
-@pytest.mark.parametrize("layout", ["TVM", "HND-views"])
+@pytest.mark.parametrize("layout", ["TVM", "own-strides"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_split_qo_less_than_tree(layout, page_size):
     b = make_batch(LONG + [Request(binary(31), prefix=40, qo=16)], h_q=8, h_kv=2, d=128, dtype=torch.float16,
                    seed=8, page_size=page_size)
-    check_paged(b, relayout(b.extra["kv_pages"], layout), kv_chunk=64, expect_split=True)
+    check_paged(b, layout, kv_chunk=64, expect_split=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_dtypes_and_padded_dim(dtype):
     b = make_batch(LONG, h_q=4, h_kv=1, d=80, dtype=dtype, seed=9, page_size=16)
-    check_paged(b, relayout(b.extra["kv_pages"], "NHD-views"), kv_chunk=64)
+    check_paged(b, "views", kv_chunk=64)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -289,8 +243,7 @@ def test_paged_random_forests(trees, prefixes, data):
     reqs = [Request(t, prefix=p, qo=data.draw(st.integers(1, len(t)))) for t, p in zip(trees, prefixes)]
     page_size = data.draw(st.sampled_from([1, 4, 16]))
     b = make_batch(reqs, h_q=4, h_kv=2, d=32, dtype=torch.float32, seed=10, page_size=page_size)
-    kv = relayout(b.extra["kv_pages"], data.draw(st.sampled_from(LAYOUTS)))
-    check_paged(b, kv, kv_chunk=data.draw(st.sampled_from([0, 32])))
+    check_paged(b, data.draw(st.sampled_from(LAYOUTS)), kv_chunk=data.draw(st.sampled_from([0, 32])))
 
 
 def test_tree_size_zero_everywhere():
@@ -313,16 +266,45 @@ def test_paged_run_allocates_no_cache_sized_tensor():
     """The pages are read in place: nothing the run allocates (split workspace included) nears the cache's size."""
     b = make_batch([Request(binary(7), prefix=300)], h_q=2, h_kv=1, d=16, dtype=torch.float32, seed=12,
                    page_size=16, spare_pages=0)
-    kv = relayout(b.extra["kv_pages"], "HND-views")
+    kv = paged_kv(b, "views")
     plan = paged_plan(b)
-    state = BACKEND.plan(plan, spec_of(b.q, kv, kv.page_size), kv_chunk=64)
+    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=64)
     assert state.launch_merge
     out, lse = outputs_for(b.q)
     k_bytes = kv.k.numel() * kv.k.element_size()
     assert largest_allocation(lambda: kv.k.contiguous()) >= k_bytes  # the probe sees a copy of the pages
-    run = lambda: BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=0.25, out=out, lse=lse)  # noqa: E731
+    run = lambda: BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=0.25, out=out, lse=lse)
     assert 0 < largest_allocation(run) < k_bytes // 2
-    assert_close_to_reference(out, lse, *reference(b.q, kv, plan, 0.25), torch.float32)
+    assert_close_to_reference(out, lse, *ref(b, sm_scale=0.25), torch.float32)
+
+
+# ---------------------------------------------------------------- through the public ops
+
+
+def test_public_ops_run_every_layout_and_rope_on_triton():
+    """``ops`` -> ``TritonBackend`` -> launcher -> kernel: paged with an engine layout, ragged with inline RoPE."""
+    b = make_batch(LONG[:3], h_q=4, h_kv=2, d=32, dtype=torch.float16, seed=30, page_size=16)
+    e = b.extra
+    pages, kv_layout = as_layout(e["kv_pages"], "own-strides")
+    out, lse = outputs_for(b.q)
+    got = treeattn.paged_tree_attention(b.q, b.q_indptr, pages, e["page_indptr"], e["page_indices"],
+                                        e["last_page_len"], b.tree_indptr, b.tree_order, kv_layout=kv_layout,
+                                        out=out, lse=lse, backend="triton")
+    assert got[0] is out and got[1] is lse
+    assert_close_to_reference(out, lse, *ref(b), torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    kw = dict(rope=ROPES[1], q_positions=torch.randint(0, 9000, (b.q.shape[0],), generator=gen, dtype=torch.int32),
+              k_positions=torch.randint(0, 9000, (b.k.shape[0],), generator=gen, dtype=torch.int32))
+    out, lse = outputs_for(b.q)
+    treeattn.tree_attention(*b.ragged_args(), out=out, lse=lse, backend="triton", **kw)
+    assert_close_to_reference(out, lse, *ref(b, **kw), torch.float16)
+
+
+def test_the_interpreter_is_never_picked_by_default():
+    """backend=None on CPU takes the CPU backend even with TRITON_INTERPRET=1 (a test tool, far slower)."""
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, 2, 1, 16, 16)
+    assert BACKEND.unsupported(spec) is None and not BACKEND.auto
+    assert select(None, spec).name != "triton"
 
 
 # ---------------------------------------------------------------- capabilities
@@ -348,14 +330,6 @@ def test_cpu_without_the_interpreter_is_unsupported(monkeypatch):
 # ---------------------------------------------------------------- merge_state
 
 
-def reference_merge(oa, la, ob, lb):
-    la, lb = la.double(), lb.double()
-    m = torch.maximum(la, lb)
-    wa, wb = torch.exp2(la - m), torch.exp2(lb - m)
-    out = (oa.double() * wa[..., None] + ob.double() * wb[..., None]) / (wa + wb)[..., None]
-    return out, (torch.log2(wa + wb) + m).float()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_merge_state(dtype):
     gen = torch.Generator().manual_seed(12)
@@ -365,10 +339,26 @@ def test_merge_state(dtype):
     lb[:4] = EMPTY_LSE  # an empty side gets zero weight
     out, lse = outputs_for(oa)
     BACKEND.merge_state(oa, la, ob, lb, out=out, lse=lse)
-    assert_close_to_reference(out, lse, *reference_merge(oa, la, ob, lb), dtype)
+    assert_close_to_reference(out, lse, *treeattn.merge_state(oa, la, ob, lb, backend="reference"), dtype)
     torch.testing.assert_close(out[:4], oa[:4])
     BACKEND.merge_state(oa, la, ob, lb, out=oa, lse=la)  # in place
     torch.testing.assert_close(oa, out)
+
+
+def test_merge_state_empty_sides():
+    """A side with no keys (EMPTY_LSE or -inf) gets zero weight whatever the other side's LSE, even a real
+    LSE below the sentinel or a NaN in the empty side's output; two empty sides give 0 and EMPTY_LSE."""
+    inf = float("inf")
+    la = torch.tensor([[EMPTY_LSE, -inf, -6e4, EMPTY_LSE, -inf, 3.0]])
+    lb = torch.tensor([[EMPTY_LSE, -inf, EMPTY_LSE, -inf, 2.0, -inf]])
+    oa, ob = torch.randn(1, 6, 16), torch.randn(1, 6, 16)
+    oa[0, 4], ob[0, 5] = float("nan"), float("nan")  # outputs of empty sides
+    out, lse = outputs_for(oa)
+    BACKEND.merge_state(oa, la, ob, lb, out=out, lse=lse)
+    want = treeattn.merge_state(oa, la, ob, lb, backend="reference")
+    assert_close_to_reference(out, lse, *want, torch.float32)
+    assert (out[0, :2] == 0).all() and (lse[0, :2] == EMPTY_LSE).all()
+    torch.testing.assert_close(out[0, 2], oa[0, 2])  # the real side wins although its LSE is below the sentinel
 
 
 def test_split_merge_equals_merge_state_of_halves():
@@ -398,7 +388,7 @@ def test_partition_covers_every_row_and_key_once():
     tiles = choose_tiles(torch.float16, 64, 30 * 4)
     host = partition_arrays(plan, 4, tiles, chunk=128)
     seen = {}
-    for req, row0, lo, hi, split in host["work"].tolist():
+    for req, row0, lo, hi, _split in host["work"].tolist():
         for row in range(row0, min(row0 + tiles.block_m, int(plan.qo_lens[req]) * 4)):
             seen.setdefault((req, row), []).append((lo, hi))
     for r in range(plan.batch_size):
@@ -425,18 +415,16 @@ def test_graph_envelope_rebinds_fixed_buffers():
                         num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16, device="cpu",
                         max_work=40, max_partial_rows=48)
     tables = [t.data_ptr() for t in (env.partition.work, env.partition.requests)]
-    for seed, (reqs, layout) in enumerate([(LONG, "TVM"), (MIXED[:4], "HND-views")]):
+    for seed, (reqs, layout) in enumerate([(LONG, "TVM"), (MIXED[:4], "HND")]):
         b = make_batch(reqs, h_q=4, h_kv=2, d=32, dtype=torch.float16, seed=20 + seed, page_size=16)
         q = torch.cat([b.q, torch.randn(64 - b.q.shape[0], 4, 32).half()])  # padded to the envelope
         out, lse = poisoned(q), poisoned(q, q.shape[:2], torch.float32)
         plan = paged_plan(b)
         env.bind(plan)
-        kv = relayout(b.extra["kv_pages"], layout)
-        env.run_paged(q, kv if layout == "TVM" else (kv.k.transpose(1, 2), kv.v.transpose(1, 2)), out, lse,
-                      kv_layout=None if layout == "TVM" else "HND")
+        pages, kv_layout = as_layout(b.extra["kv_pages"], layout)
+        env.run_paged(q, pages, out, lse, kv_layout=kv_layout)
         rows = b.q.shape[0]
-        assert_close_to_reference(out[:rows], lse[:rows], *reference(b.q, kv, plan, 1 / math.sqrt(32)),
-                                  torch.float16)
+        assert_close_to_reference(out[:rows], lse[:rows], *ref(b), torch.float16)
         assert torch.isnan(out[rows:]).all()  # rows past the batch are left alone
     assert tables == [t.data_ptr() for t in (env.partition.work, env.partition.requests)]
     with pytest.raises(ValueError, match="more than this GraphEnvelope holds"):
@@ -451,9 +439,9 @@ def test_torch_library_ops_opcheck_and_compile():
                           (oa, la, ob, lb, torch.empty_like(oa), torch.empty_like(la)))
 
     b = make_batch([Request(binary(7), prefix=9)], h_q=2, h_kv=1, d=16, seed=16, page_size=16)
-    kv = relayout(b.extra["kv_pages"], "NHD-views")
+    kv = paged_kv(b, "views")
     plan = paged_plan(b)
-    state = BACKEND.plan(plan, spec_of(b.q, kv, kv.page_size), kv_chunk=0)
+    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=0)
     args = (b.q, kv.k, kv.v, torch.empty_like(b.q), torch.empty(b.q.shape[:2]), 0.25, kv.page_size, *state.op_args)
     torch.library.opcheck(torch.ops.treeattn.triton_tree_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
@@ -471,4 +459,4 @@ def test_torch_library_ops_opcheck_and_compile():
     buf = torch.stack([kv.k, kv.v], dim=1)
     out, lse = outputs_for(b.q)
     doubled, lse = attend(b.q, buf, out, lse)
-    assert_close_to_reference(doubled / 2, lse, *reference(b.q, kv, plan, 0.25), torch.float32)
+    assert_close_to_reference(doubled / 2, lse, *ref(b, sm_scale=0.25), torch.float32)

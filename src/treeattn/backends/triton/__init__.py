@@ -18,7 +18,7 @@ from ...layout import PagedKV
 from ...plan import TreeAttentionPlan
 from ...rope import RoPE
 from ..base import AttentionSpec, Backend
-from . import launch  # noqa: F401  (registers torch.ops.treeattn.triton_*)
+from . import launch  # also registers the torch.ops.treeattn.triton_* ops
 from .envelope import GraphEnvelope
 from .partition import MAX_HEAD_DIM, WorkPartition, build_partition
 
@@ -36,6 +36,11 @@ def _frequencies(rope: RoPE, head_dim: int, device: torch.device) -> tuple[torch
 
 class TritonBackend(Backend):
     name = "triton"
+
+    @property
+    def auto(self) -> bool:
+        """Picked by ``backend=None`` except under the interpreter: a test tool, far slower than the CPU backend."""
+        return not launch.interpreting()
 
     def unavailable(self) -> str | None:
         if importlib.util.find_spec("triton") is None:

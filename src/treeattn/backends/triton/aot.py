@@ -96,7 +96,7 @@ def ci_variants(arch: int) -> list[Variant]:
 def _launch(v: Variant) -> Launch:
     """``v``'s launch, built by the launcher's own argument-list function from small CPU tensors."""
     dtype = next(t for t, name in DTYPES.items() if name == v.dtype)
-    x = lambda *shape: torch.empty(shape, dtype=dtype)  # noqa: E731
+    x = lambda *shape: torch.empty(shape, dtype=dtype)
     i32, f32 = torch.empty(1, dtype=torch.int32), torch.empty(1, 1, dtype=torch.float32)
     d = v.head_dim
     if v.kernel == "attention":
@@ -164,7 +164,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
     seconds = time.perf_counter() - start
     sass = _sass(ck.asm["cubin"])
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M)
-    count = lambda op: sum(1 for o in ops if o == op)  # noqa: E731
+    count = lambda op: sum(1 for o in ops if o == op)
     return {"variant": v.name, "arch": arch, "kernel": v.kernel, "dtype": v.dtype, "head_dim": v.head_dim,
             "tiles": asdict(v.tiles) if v.tiles else None, "own_v_strides": v.own_v_strides, "shared": ck.metadata.shared,
             "max_shared": MAX_SHARED[arch], "spill_stores": count("STL"), "hmma": count("HMMA"),

@@ -93,7 +93,7 @@ class GraphEnvelope:
             if chunk == 0 or (host["work"].shape[0] <= self.max_work and host["partial_rows"] <= part.partial_rows):
                 break
             chunk = 0 if chunk * 2 >= int(plan.kv_lens.max()) else chunk * 2
-        copy = lambda dst, src: dst[:src.shape[0]].copy_(torch.from_numpy(src), non_blocking=True)  # noqa: E731
+        copy = lambda dst, src: dst[:src.shape[0]].copy_(torch.from_numpy(src), non_blocking=True)
         copy(part.requests, host["requests"])
         copy(part.work, host["work"])
         copy(part.token_request, host["token_request"])

@@ -262,22 +262,34 @@ def merge_splits_kernel(out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, requests_ptr
 def merge_state_kernel(out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr, num_rows, num_heads,
                        stride_an, stride_ah, stride_bn, stride_bh, stride_lan, stride_lah, stride_lbn, stride_lbh,
                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``merge_state`` over flattened (row, head) pairs: weights ``exp2(lse - max)``, fp32 math."""
+    """``merge_state`` over flattened (row, head) pairs, fp32 math, as ``treeattn.lse.merge`` defines it:
+    weights ``exp2(lse - max)`` over the sides that have keys; a side with no keys (``EMPTY_LSE`` or
+    ``-inf``) weighs 0 whatever the other's LSE and its output is never read into the sum; two empty
+    sides give ``out = 0``, ``lse = EMPTY_LSE``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows * num_heads
     n = (rows // num_heads).to(tl.int64)
     h = rows % num_heads
-    la = tl.load(lse_a_ptr + n * stride_lan + h * stride_lah, mask=r_ok, other=0.0)
-    lb = tl.load(lse_b_ptr + n * stride_lbn + h * stride_lbh, mask=r_ok, other=0.0)
-    m = tl.maximum(la, lb)
-    wa = tl.exp2(la - m)
-    wb = tl.exp2(lb - m)
+    la = tl.load(lse_a_ptr + n * stride_lan + h * stride_lah, mask=r_ok, other=float("-inf"))
+    lb = tl.load(lse_b_ptr + n * stride_lbn + h * stride_lbh, mask=r_ok, other=float("-inf"))
+    empty_a = (la == EMPTY_LSE) | (la == float("-inf"))
+    empty_b = (lb == EMPTY_LSE) | (lb == float("-inf"))
+    m = tl.maximum(tl.where(empty_a, float("-inf"), la), tl.where(empty_b, float("-inf"), lb))
+    m = tl.where(empty_a & empty_b, 0.0, m)
+    wa = tl.where(empty_a, 0.0, tl.exp2(la - m))
+    wb = tl.where(empty_b, 0.0, tl.exp2(lb - m))
     total = wa + wb
-    mask = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    oa = tl.load(out_a_ptr + (n * stride_an + h * stride_ah)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    ob = tl.load(out_b_ptr + (n * stride_bn + h * stride_bh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    merged = oa.to(tl.float32) * (wa / total)[:, None] + ob.to(tl.float32) * (wb / total)[:, None]
+    none = total == 0.0
+    wa = wa / tl.where(none, 1.0, total)
+    wb = wb / tl.where(none, 1.0, total)
+    d_ok = (offs_d < HEAD_DIM)[None, :]
+    oa = tl.load(out_a_ptr + (n * stride_an + h * stride_ah)[:, None] + offs_d[None, :],
+                 mask=(r_ok & (wa > 0.0))[:, None] & d_ok, other=0.0)
+    ob = tl.load(out_b_ptr + (n * stride_bn + h * stride_bh)[:, None] + offs_d[None, :],
+                 mask=(r_ok & (wb > 0.0))[:, None] & d_ok, other=0.0)
+    merged = oa.to(tl.float32) * wa[:, None] + ob.to(tl.float32) * wb[:, None]
     flat = rows.to(tl.int64)
-    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + flat, tl.log2(total) + m, mask=r_ok)
+    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], merged.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok)
+    tl.store(lse_ptr + flat, tl.where(none, EMPTY_LSE, tl.log2(tl.where(none, 1.0, total)) + m), mask=r_ok)

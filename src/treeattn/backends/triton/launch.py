@@ -96,8 +96,8 @@ def attention_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, 
         stride_kp=kp, stride_kt=kt, stride_kh=kh, stride_vp=vp, stride_vt=vt, stride_vh=vh,
         page_log2=page_size.bit_length() - 1 if page_size else 0, num_q_heads=num_q_heads,
         group=num_q_heads // num_kv_heads,
-        HEAD_DIM=q.shape[2], PAGED=bool(page_size), SAME_KV_STRIDES=(kp, kt, kh) == (vp, vt, vh), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_D=tiles.block_d, FP32_DOT=tiles.fp32_dot)
+        HEAD_DIM=q.shape[2], PAGED=bool(page_size), SAME_KV_STRIDES=(kp, kt, kh) == (vp, vt, vh),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, FP32_DOT=tiles.fp32_dot)
     return Launch("tree_attn_kernel", (grid_work, num_kv_heads), args, tiles.num_warps, tiles.num_stages)
 
 

@@ -219,7 +219,7 @@ def build_partition(plan: TreeAttentionPlan, spec: AttentionSpec, *, kv_chunk: i
     else:
         chunk = cdiv(int(kv_chunk), tiles.block_n) * tiles.block_n
     host = partition_arrays(plan, group, tiles, chunk)
-    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
     return WorkPartition(
         tiles=tiles,
         requests=to_dev(host["requests"]),
