@@ -158,14 +158,17 @@ def test_ragged_head_dims(d):
     check_ragged(b)
 
 
-def test_ragged_strided_inputs():
-    """q, k and v as views with their own strides (a fused qkv buffer), as a model hands them over."""
+@pytest.mark.parametrize("v_from", ["fused", "own"])
+def test_ragged_strided_inputs(v_from):
+    """q, k and v as views with their own strides (a fused qkv buffer), as a model hands them over;
+    V from the same buffer (K's strides) or on its own (other strides)."""
     b = make_batch(LONG, h_q=4, h_kv=2, d=64, dtype=torch.float16, seed=17)
     fused = torch.randn(b.k.shape[0], 3, 2, 64).half()
     fused[:, 0], fused[:, 2] = b.k, b.v
-    b.k, b.v = fused[:, 0], fused[:, 2]
+    b.k, b.v = fused[:, 0], (fused[:, 2] if v_from == "fused" else b.v.contiguous())
     b.q = torch.cat([b.q, b.q], dim=1)[:, 2:6]  # a view into a wider tensor: token stride 8 * d
     assert b.k.stride(0) == 6 * 64 and not b.q.is_contiguous()
+    assert (b.k.stride() == b.v.stride()) == (v_from == "fused")
     check_ragged(b, kv_chunk=64)
 
 

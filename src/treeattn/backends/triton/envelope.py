@@ -25,7 +25,7 @@ import torch
 from ...layout import PagedKV
 from ...plan import TreeAttentionPlan
 from ...rope import RoPE
-from ..base import AttentionSpec
+from .. import AttentionSpec, select
 from .partition import WorkPartition, cdiv, num_sms, partition_arrays, plan_tiles, split_chunk
 from .tables import CountColumn, RequestColumn, WorkColumn
 
@@ -37,17 +37,15 @@ class GraphEnvelope:
     def __init__(self, *, max_batch: int, max_tokens: int, max_qo_len: int, max_tree_nodes: int, num_q_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, max_pages: int = 0,
                  max_work: int | None = None, max_partial_rows: int | None = None):
-        from . import TritonBackend
-
         device = torch.device(device)
-        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_qo_len", max_qo_len)):
+        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_qo_len", max_qo_len),
+                            ("num_kv_heads", num_kv_heads)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         self.spec = AttentionSpec(device, dtype, num_q_heads, num_kv_heads, head_dim, head_dim)
-        self.backend = TritonBackend()
-        reason = self.backend.unavailable() or self.backend.unsupported(self.spec)
-        if reason:
-            raise ValueError(f"the triton backend cannot run {self.spec.describe()}: {reason}")
+        self.backend = select("triton", self.spec)  # raises with the reason when triton cannot serve it
         tiles = plan_tiles(self.spec, max_qo_len * self.spec.group)
         unsplit = cdiv(max_tokens * self.spec.group, tiles.block_m) + max_batch  # bound on items without splits
         self.max_work = max_work or unsplit + 4 * num_sms(device)

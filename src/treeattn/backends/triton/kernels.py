@@ -10,11 +10,13 @@ column and run the ancestor interval test. Scores live in the log2 domain (``log
 
 A work item with ``split >= 0`` covers one chunk of a request's keys and writes a normalised
 fp32 partial state to the workspace; ``merge_splits_kernel`` combines the chunks by LSE.
-Work lists are padded for CUDA graphs: programs past ``counts[0]`` exit at once.
+Work lists are padded for CUDA graphs: programs past ``counts[WORK_ITEMS]`` exit at once.
 
 K and V are read in place through their own element strides ``(page, token, head)``: every
 engine's page layout (TVM's combined pages, NHD, HND, views into a bigger buffer) and ragged
-tensors (page stride unused) take the same code, with no copy.
+tensors (page stride unused) take the same code, with no copy. When K and V share their strides
+(every layout but a V allocated unlike K), ``SAME_KV_STRIDES`` computes the addresses once for
+both: a second address computation costs registers (spills on sm_90's 128-row tiles).
 
 Launched through ``launch.py`` (whose ``*_launch`` functions hold every kernel's argument list,
 and which checks that triton was imported in the mode ``TRITON_INTERPRET`` asks for); ``aot.py``
