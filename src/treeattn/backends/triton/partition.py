@@ -55,7 +55,8 @@ def choose_tiles(dtype: torch.dtype, head_dim: int, max_rows: int, *, arch: int 
 
     ``BLOCK_M`` is the rows rounded up to a power of two (at least 16, the smallest ``tl.dot``),
     capped by what the fp32 accumulator leaves in registers. Every choice below is free of register
-    spills in the compiled SASS of both sm_80 and sm_90 (checked by ``aot.py`` over all variants):
+    spills in the compiled SASS of both sm_80 and sm_90 when K and V share their strides (checked
+    by ``aot.py`` over all variants; a V strided unlike K spills on sm_90's 128-row tiles at 64 < d <= 128):
 
     - fp16/bf16, d <= 64: 64-key tiles, 4 warps (8 for 128 rows).
     - fp16/bf16, 64 < d <= 128: 16-32 rows: 32-key tiles, 4 warps; 64-128 rows: 64 keys, 8 warps.
@@ -113,8 +114,6 @@ def split_chunk(rowblocks: np.ndarray, kv_lens: np.ndarray, num_kv_heads: int, b
     if splits < 2:
         return 0
     return cdiv(cdiv(longest, splits), block_n) * block_n
-
-
 
 
 @dataclass(frozen=True)
