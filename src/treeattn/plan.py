@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -281,6 +282,32 @@ class TreeAttentionPlan:
         plan._record(sources, q_indptr=q_host, page_indptr=p_host, page_indices=ids, last_page_len=last,
                      tree_indptr=t_host, tree_order=order_host)
         return plan
+
+    @cached_property
+    def node_depths(self) -> np.ndarray:
+        """Depth of every tree node (roots 0), int64 ``[N]`` in ``tree_order``'s rows: the number of intervals
+        holding its ``enter``, less one (a +1/-1 sweep over each tree's preorder slots, all trees at once)."""
+        order = self._inputs["tree_order"].host.reshape(-1, 2)
+        if order.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        owner = np.repeat(np.arange(self.batch_size), self.tree_sizes)
+        base = self.tree_starts[owner]
+        events = np.zeros(order.shape[0] + 1, dtype=np.int64)
+        np.add.at(events, base + order[:, 0], 1)
+        np.add.at(events, base + order[:, 1], -1)
+        return np.cumsum(events)[base + order[:, 0]] - 1
+
+    def positions(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request ``b``'s positions (for sliding windows): ``(row positions [qo_len], key positions [kv_len])``.
+        Prefix key ``j`` is at ``j``, tree node ``i`` at ``prefix + depth(i)``, a query row at its node's
+        position; without a tree every row sits at the last key's position ``kv_len - 1``."""
+        qo, kv, n, start = (int(x[b]) for x in (self.qo_lens, self.kv_lens, self.tree_sizes, self.tree_starts))
+        prefix = kv - n
+        keys = np.arange(kv, dtype=np.int64)
+        if n == 0:
+            return np.full(qo, kv - 1, dtype=np.int64), keys
+        keys[prefix:] = prefix + self.node_depths[start:start + n]
+        return keys[kv - qo:], keys
 
     def same_q_and_kv_layout(self) -> bool:
         return self.kv_starts is not None and np.array_equal(self.q_starts, self.kv_starts) and np.array_equal(self.qo_lens, self.kv_lens)
