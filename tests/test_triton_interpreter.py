@@ -320,6 +320,8 @@ def test_unsupported_inputs_get_a_reason():
     assert "head dim 272" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 272, 272))
     assert "V head dim 32" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 64, 32))
     assert "float64" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float64, 1, 1, 64, 64))
+    window = AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 64, 64, sliding_window=8, sinks=True)
+    assert "sliding_window, sinks" in BACKEND.unsupported(window)
     assert BACKEND.unavailable() is None
 
 

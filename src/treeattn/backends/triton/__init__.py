@@ -60,6 +60,8 @@ class TritonBackend(Backend):
             return f"V head dim {spec.v_head_dim} differs from the Q/K head dim {spec.head_dim}"
         if spec.paged and spec.page_size & (spec.page_size - 1):
             return f"page size {spec.page_size} is not a power of two"
+        if spec.variants:
+            return f"attention variants are not implemented in the kernels yet ({', '.join(spec.variants)})"
         return None
 
     def plan(self, plan: TreeAttentionPlan, spec: AttentionSpec, *, kv_chunk: int | None = None) -> WorkPartition:
@@ -73,11 +75,11 @@ class TritonBackend(Backend):
         return out
 
     def tree_attention(self, q, k, v, plan: TreeAttentionPlan, state: WorkPartition, *, sm_scale: float,
-                       out: torch.Tensor, lse: torch.Tensor) -> None:
+                       out: torch.Tensor, lse: torch.Tensor, sinks: None = None) -> None:
         torch.ops.treeattn.triton_tree_attention(q, k, v, out, lse, sm_scale, 0, *state.op_args)
 
     def paged_tree_attention(self, q, kv: PagedKV, plan: TreeAttentionPlan, state: WorkPartition, *,
-                             sm_scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+                             sm_scale: float, out: torch.Tensor, lse: torch.Tensor, sinks: None = None) -> None:
         torch.ops.treeattn.triton_tree_attention(q, kv.k, kv.v, out, lse, sm_scale, kv.page_size, *state.op_args)
 
     def merge_state(self, out_a, lse_a, out_b, lse_b, *, out: torch.Tensor, lse: torch.Tensor) -> None:
