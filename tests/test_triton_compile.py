@@ -5,7 +5,7 @@ Compilation runs in a subprocess (``python -m treeattn.backends.triton.aot``) wi
 ``triton.compile`` rejects ("'InterpretedFunction' object has no attribute 'cache_key'"), and
 test_triton_interpreter.py sets it for the whole pytest process. The default test compiles the
 CI subset (``aot.ci_variants``, 22 compiles, about a minute on 2 idle cores); the ``slow`` one
-compiles every variant the backend can select (312 compiles, several minutes).
+compiles every variant the backend can select (252 compiles, several minutes).
 
 Decision on fp32 inputs: their dots run as exact fp32 FMA (``input_precision="ieee"``), matching
 TVM's fp32 kernels to ~1e-6; TF32 would be faster but off by ~1e-3. So fp32 variants must show

@@ -60,9 +60,11 @@ def all_variants(arch: int) -> list[Variant]:
     out = []
     for dtype, name in DTYPES.items():
         for d in HEAD_DIMS:
-            for tiles in sorted({choose_tiles(dtype, d, rows, arch=arch) for rows in ROWS}, key=lambda t: t.block_m):
-                out += [Variant("attention", name, d, paged, tiles, own_v_strides=own)
-                        for paged in (False, True) for own in (False, True)]
+            tile_set = sorted({choose_tiles(dtype, d, rows, arch=arch) for rows in ROWS}, key=lambda t: t.block_m)
+            for tiles in tile_set:
+                out += [Variant("attention", name, d, paged, tiles) for paged in (False, True)]
+            # V strided unlike K (its own address computation): at the largest, most register-hungry tile
+            out += [Variant("attention", name, d, paged, tile_set[-1], own_v_strides=True) for paged in (False, True)]
             out.append(Variant("merge_splits", name, d))
             out += [Variant("rope", name, d, divide=div) for div in (True, False)]
             out.append(Variant("merge_state", name, d))
