@@ -75,6 +75,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     auto = False
+    manual_reason = "only used when asked for by name (backend='reference': float64 on the CPU, slow)"
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         return "meta tensors hold no values to attend over" if spec.device.type == "meta" else None

@@ -37,6 +37,8 @@ def _frequencies(rope: RoPE, head_dim: int, device: torch.device) -> tuple[torch
 class TritonBackend(Backend):
     name = "triton"
 
+    manual_reason = "the Triton interpreter (TRITON_INTERPRET=1) is a test tool, only used when asked for by name"
+
     @property
     def auto(self) -> bool:
         """Picked by ``backend=None`` except under the interpreter: a test tool, far slower than the CPU backend."""
