@@ -4,7 +4,8 @@
     python bench/gpu.py --dry-run --out /tmp/dry       # same code path on CPU (Triton interpreter), tiny grid
 
 1. Correctness on the device: the Triton kernels against the float64 reference (fp16/bf16/fp32,
-   page sizes 1/16/64, split and unsplit, inline RoPE, merge_state), a CUDA-graph replay through a
+   page sizes 1/16/64, every engine page layout read in place, split and unsplit, inline RoPE,
+   merge_state), a CUDA-graph replay through a
    ``GraphEnvelope`` rebound to a second batch, and the benchmark shapes against SDPA with a dense
    tree mask and FlexAttention.
 2. Timing (CUDA events, inputs rotated so no call finds its KV in L2) of paged tree attention for
@@ -41,12 +42,22 @@ import torch.nn.functional as F  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # shared random cases
-
 import treeattn  # noqa: E402
-from treeattn.backends import triton as tb  # noqa: E402
+from treeattn.backends import AttentionSpec, get_backend  # noqa: E402
+from treeattn.backends.reference import visible_mask  # noqa: E402
+from treeattn.backends.triton import GraphEnvelope  # noqa: E402
+from treeattn.layout import PagedKV  # noqa: E402
 from treeattn.plan import TreeAttentionPlan  # noqa: E402
-from treeattn.reference import visible_mask  # noqa: E402
+from treeattn.testing import (  # noqa: E402
+    MIXED,
+    Request,
+    as_layout,
+    assert_close_to_reference,
+    binary,
+    chain,
+    make_batch,
+    outputs_for,
+)
 
 console = Console()
 FULL_GRID = {"T": (8, 26, 64, 128), "ctx": (1024, 4096, 16384, 32768), "batch": (1, 8, 32)}
@@ -122,7 +133,6 @@ def device_rates(device: torch.device, clock: Clock) -> dict:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     mm_ms = timed(clock, [lambda: a @ b], 200 if device.type == "cuda" else 20)
-    del src, dst, a, b
     return {"copy_bytes_per_s": 2 * n_bytes / (ms * 1e-3), "bf16_flops_per_s": 2 * n**3 / (mm_ms * 1e-3)}
 
 
@@ -191,7 +201,7 @@ def build_inputs(shape: Shape, device: torch.device, dtype: torch.dtype, seed: i
     page_indptr = torch.arange(0, num_pages + 1, pages_per, dtype=torch.int32)
     last = torch.full((shape.batch,), (shape.kv_len - 1) % PAGE_SIZE + 1, dtype=torch.int32)
     q_indptr = torch.arange(0, shape.batch * shape.T + 1, shape.T, dtype=torch.int32)
-    to = lambda t: t.to(device)  # noqa: E731
+    to = lambda t: t.to(device)
     args = (to(q_indptr), to(page_indptr), to(page_indices), to(last), to(tree_indptr), to(tree_order))
     plan = TreeAttentionPlan.paged(*args[:4], *args[4:], page_size=PAGE_SIZE, num_pages=num_pages)
     rot = rotations_for(shape.kv_bytes(torch.finfo(dtype).bits // 8), device)
@@ -204,12 +214,12 @@ def build_inputs(shape: Shape, device: torch.device, dtype: torch.dtype, seed: i
 
 
 def dense_kv(inp: Inputs, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotation ``r``'s keys/values as ``[B, h_kv, L, d]`` (what SDPA and Flex take)."""
-    s = inp.shape
-    ids = inp.args[2].view(s.batch, -1).long()
-    kv = inp.pages[r][ids]  # [B, pages, 2, h_kv, ps, d]
-    kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, s.batch, s.h_kv, -1, s.d)[:, :, :, :s.kv_len]
-    return kv[0].contiguous(), kv[1].contiguous()
+    """Rotation ``r``'s keys/values as ``[B, h_kv, L, d]`` (what SDPA and Flex take), read through ``PagedKV``."""
+    kv, plan = PagedKV.wrap(inp.pages[r]), inp.plan
+    tables = [plan.page_indices_host[plan.page_starts[b]:plan.page_starts[b] + plan.num_pages[b]]
+              for b in range(inp.shape.batch)]
+    k, v = zip(*(kv.gather(table, inp.shape.kv_len) for table in tables))
+    return torch.stack(k).transpose(1, 2).contiguous(), torch.stack(v).transpose(1, 2).contiguous()
 
 
 def dense_mask(inp: Inputs) -> torch.Tensor:
@@ -227,13 +237,11 @@ def q_bhtd(inp: Inputs, r: int) -> torch.Tensor:
 
 
 def method_treeattn(inp: Inputs, clock: Clock, target_ms: float, graph: bool):
-    s = inp.shape
     out = torch.empty_like(inp.qs[0])
     lse = torch.empty(out.shape[:2], device=out.device, dtype=torch.float32)
     calls = [lambda r=r: treeattn.paged_tree_attention(inp.qs[r], inp.args[0], inp.pages[r], *inp.args[1:],
                                                         plan=inp.plan, out=out, lse=lse, backend="triton")
              for r in range(len(inp.pages))]
-    del s
     return graphed(clock, calls, target_ms) if graph else timed(clock, calls, target_ms)
 
 
@@ -308,40 +316,47 @@ def flashinfer_calls(inp: Inputs):
 
 
 def check_correctness(device: torch.device, dry: bool) -> list[dict]:
-    """Triton vs the float64 reference on small batches; returns one row per check (raises on failure)."""
-    from cases import MIXED, Request, assert_close_to_reference, binary, chain, make_batch, outputs_for
+    """Triton vs the float64 reference on small batches; returns one row per check (raises on failure).
 
+    Paged runs go through the backend object with a forced split (``TritonBackend.plan(kv_chunk=)``),
+    with the pages in every engine layout; the reference reads the ragged keys."""
+    triton = get_backend("triton")
     rows = []
     dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    layouts = ("TVM", "own-strides") if dry else ("TVM", "NHD", "HND", "views", "interleaved", "own-strides")
     long = [Request(binary(15), prefix=300), Request(chain(6), prefix=90, qo=4), Request((), prefix=0, qo=2)]
     for dtype in dtypes:
         for page_size in ((16,) if dry else (1, 16, 64)):
+            b = make_batch(MIXED + long, h_q=8, h_kv=2, d=64 if dry else 128, dtype=dtype, seed=page_size,
+                           page_size=page_size, device=device)
+            ref = treeattn.tree_attention(*b.ragged_args(), backend="reference")
+            e = b.extra
+            plan = TreeAttentionPlan.paged(b.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
+                                           b.tree_indptr, b.tree_order, page_size=page_size,
+                                           num_pages=e["kv_pages"].shape[0])
+            spec = AttentionSpec(device, dtype, 8, 2, b.q.shape[2], b.q.shape[2], page_size)
             for chunk in (0, 64):
-                b = make_batch(MIXED + long, h_q=8, h_kv=2, d=64 if dry else 128, dtype=dtype, seed=page_size,
-                               page_size=page_size, device=device)
-                ref = treeattn.tree_attention(*b.ragged_args(), backend="reference")
-                e = b.extra
-                plan = TreeAttentionPlan.paged(b.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
-                                               b.tree_indptr, b.tree_order, page_size=page_size,
-                                               num_pages=e["kv_pages"].shape[0])
-                tb.prepare(plan, num_q_heads=8, num_kv_heads=2, head_dim=b.q.shape[2], dtype=dtype, kv_chunk=chunk)
-                out, lse = outputs_for(b.q)
-                treeattn.paged_tree_attention(*b.paged_args(), plan=plan, out=out, lse=lse, backend="triton")
-                assert_close_to_reference(out, lse, *ref, dtype)
-                rows.append({"check": f"paged {str(dtype)[6:]} page {page_size} chunk {chunk}",
-                             "max_abs_err": float((out.double() - ref[0].double()).abs().max())})
-                if dry and dtype == torch.bfloat16:
-                    continue  # the interpreter truncates fp32 -> bf16 casts (GPUs round to nearest): roped q/k differ
-                out, lse = outputs_for(b.q)
-                rope = treeattn.RoPE(theta=5e5, scale=0.5)
-                pos_q = torch.arange(b.q.shape[0], device=device, dtype=torch.int32) * 37
-                pos_k = torch.arange(b.k.shape[0], device=device, dtype=torch.int32) * 11
-                kw = dict(rope=rope, q_positions=pos_q, k_positions=pos_k)
-                ref_r = treeattn.tree_attention(*b.ragged_args(), backend="reference", **kw)
-                treeattn.tree_attention(*b.ragged_args(), out=out, lse=lse, backend="triton", **kw)
-                assert_close_to_reference(out, lse, *ref_r, dtype)
-                rows.append({"check": f"ragged+rope {str(dtype)[6:]} chunk {chunk}",
-                             "max_abs_err": float((out.double() - ref_r[0].double()).abs().max())})
+                state = triton.plan(plan, spec, kv_chunk=chunk)
+                for layout in layouts:
+                    kv = PagedKV.wrap(*as_layout(e["kv_pages"], layout))
+                    out, lse = outputs_for(b.q)
+                    triton.paged_tree_attention(b.q, kv, plan, state, sm_scale=1 / math.sqrt(b.q.shape[2]), out=out,
+                                                lse=lse)
+                    assert_close_to_reference(out, lse, *ref, dtype)
+                    rows.append({"check": f"paged {str(dtype)[6:]} page {page_size} {layout} chunk {chunk}",
+                                 "max_abs_err": float((out.double() - ref[0].double()).abs().max())})
+        if dry and dtype == torch.bfloat16:
+            continue  # the interpreter truncates fp32 -> bf16 casts (GPUs round to nearest): roped q/k differ
+        out, lse = outputs_for(b.q)
+        rope = treeattn.RoPE(theta=5e5, scale=0.5)
+        pos_q = torch.arange(b.q.shape[0], device=device, dtype=torch.int32) * 37
+        pos_k = torch.arange(b.k.shape[0], device=device, dtype=torch.int32) * 11
+        kw = dict(rope=rope, q_positions=pos_q, k_positions=pos_k)
+        ref_r = treeattn.tree_attention(*b.ragged_args(), backend="reference", **kw)
+        treeattn.tree_attention(*b.ragged_args(), out=out, lse=lse, backend="triton", **kw)
+        assert_close_to_reference(out, lse, *ref_r, dtype)
+        rows.append({"check": f"ragged+rope {str(dtype)[6:]}",
+                     "max_abs_err": float((out.double() - ref_r[0].double()).abs().max())})
     # merge_state
     oa, ob = (torch.randn(50, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
     la, lb = (torch.randn(50, 8, device=device) * 5 for _ in range(2))
@@ -356,9 +371,7 @@ def check_correctness(device: torch.device, dry: bool) -> list[dict]:
 
 def check_cuda_graph(device: torch.device) -> dict:
     """Capture once through a GraphEnvelope, rebind to a different batch, replay: same as the reference."""
-    from cases import Request, assert_close_to_reference, binary, chain, make_batch
-
-    env = tb.GraphEnvelope(max_batch=4, max_tokens=64, max_qo_len=31, max_tree_nodes=96, max_pages=256,
+    env = GraphEnvelope(max_batch=4, max_tokens=64, max_qo_len=31, max_tree_nodes=96, max_pages=256,
                            num_q_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16, device=device)
     batches = [make_batch([Request(binary(31), prefix=900), Request(chain(9), prefix=40)], h_q=8, h_kv=2, d=128,
                           dtype=torch.bfloat16, seed=s, page_size=16, device=device, spare_pages=0) for s in (1, 2)]

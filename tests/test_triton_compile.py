@@ -4,8 +4,8 @@ Compilation runs in a subprocess (``python -m treeattn.backends.triton.aot``) wi
 ``TRITON_INTERPRET`` removed: with it set, ``@triton.jit`` yields interpreted functions that
 ``triton.compile`` rejects ("'InterpretedFunction' object has no attribute 'cache_key'"), and
 test_triton_interpreter.py sets it for the whole pytest process. The default test compiles the
-CI subset (``aot.ci_variants``, 20 compiles, under a minute on 2 idle cores); the ``slow`` one
-compiles every variant the dispatcher can select (204 compiles, a few minutes).
+CI subset (``aot.ci_variants``, 22 compiles, about a minute on 2 idle cores); the ``slow`` one
+compiles every variant the backend can select (252 compiles, several minutes).
 
 Decision on fp32 inputs: their dots run as exact fp32 FMA (``input_precision="ieee"``), matching
 TVM's fp32 kernels to ~1e-6; TF32 would be faster but off by ~1e-3. So fp32 variants must show
@@ -52,7 +52,10 @@ def check(results: list[dict]) -> None:
             assert r["hgmma"] > 0, f"{where}: expected warpgroup MMA (HGMMA)"
         else:
             assert r["hmma"] > 0, f"{where}: expected tensor-core MMA (HMMA)"
-        if r["dtype"] != "fp32":  # the tiles were chosen spill-free (dispatch.choose_tiles)
+        # The tiles were chosen spill-free (partition.choose_tiles) for K and V with the same strides
+        # (every engine layout but a V allocated unlike K). V's own address computation costs registers:
+        # sm_90's 128-row tiles at d 80/128 spill 15-26 stores there (measured), so that path is exempt.
+        if r["dtype"] != "fp32" and not r["own_v_strides"]:
             assert r["spill_stores"] == 0, f"{where}: {r['spill_stores']} register spill stores"
 
 
@@ -61,8 +64,9 @@ def test_ci_variants_compile_for_sm80_and_sm90(tmp_path):
     check(results)
     assert {r["arch"] for r in results} == {80, 90}
     assert {r["kernel"] for r in results} == {"attention", "merge_splits", "merge_state", "rope"}
+    assert any(r["own_v_strides"] and r["kernel"] == "attention" for r in results)  # the general V path
 
 
 @pytest.mark.slow
-def test_every_dispatcher_variant_compiles(tmp_path):
+def test_every_variant_compiles(tmp_path):
     check(compile_variants(tmp_path))

@@ -1,11 +1,12 @@
-"""Triton kernels on CPU through Triton's interpreter, against the float64 reference.
+"""Triton kernels on CPU through Triton's interpreter, against a float64 reference.
 
 ``TRITON_INTERPRET=1`` must be set before triton is first imported (triton builds its own
 ``tl.sum``/``tl.max`` for one mode at import), so it is set at the top of this module, which
 pytest imports at collection, before any test runs. If some earlier module already imported
 triton without it, this module instead runs itself in a fresh pytest process (one test).
 
-Every output buffer is poisoned with NaN first. bf16 runs through the fp32-dot path here,
+The tests call the backend object directly (``TritonBackend.plan`` then its calls), as ``ops``
+does. Every output buffer is poisoned with NaN first. bf16 runs through the fp32-dot path here,
 because the interpreter's bf16 ``tl.dot`` is wrong (environment.md); bf16 tensor-core dots are
 covered by tests/test_triton_compile.py and bench/gpu.py on a GPU.
 """
@@ -17,6 +18,8 @@ import sys
 _TRITON_IMPORTED_COMPILED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
+import math  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,13 +29,30 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton")
 
 import treeattn  # noqa: E402
-from tests.helpers import (MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch,  # noqa: E402
-                   outputs_for, parent_arrays, poisoned, random_tree, star)
-from treeattn.backends import triton as tb  # noqa: E402
-from treeattn.backends.triton.dispatch import cdiv, choose_tiles, partition_arrays, split_chunk  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    MIXED,
+    Request,
+    as_layout,
+    assert_close_to_reference,
+    binary,
+    chain,
+    forest,
+    make_batch,
+    outputs_for,
+    parent_arrays,
+    poisoned,
+    random_tree,
+    star,
+)
+from treeattn.backends import AttentionSpec, select  # noqa: E402
+from treeattn.backends.triton import GraphEnvelope, TritonBackend  # noqa: E402
+from treeattn.backends.triton.partition import cdiv, choose_tiles, partition_arrays, split_chunk  # noqa: E402
+from treeattn.layout import PagedKV  # noqa: E402
+from treeattn.lse import EMPTY_LSE  # noqa: E402
 from treeattn.plan import TreeAttentionPlan  # noqa: E402
 
 pytestmark = pytest.mark.triton
+BACKEND = TritonBackend()
 
 if _TRITON_IMPORTED_COMPILED:
     def test_interpreter_suite_in_fresh_process():
@@ -49,46 +69,61 @@ def _interpreter_ready(request):
         pytest.skip("triton was imported before TRITON_INTERPRET was set; covered by the fresh-process rerun")
 
 
-def _ragged_plan(b):
+# ---------------------------------------------------------------- runs through the backend
+
+
+def ref(b, **kw):
+    """The float64 reference on the ragged keys (it never touches the paged addressing)."""
+    return treeattn.tree_attention(*b.ragged_args(), backend="reference", **kw)
+
+
+def ragged_plan(b):
     return TreeAttentionPlan.ragged(b.q_indptr, b.kv_indptr, b.tree_indptr, b.tree_order)
 
 
-def _paged_plan(b):
+def paged_plan(b):
     e = b.extra
     return TreeAttentionPlan.paged(b.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
                                    b.tree_indptr, b.tree_order, page_size=e["kv_pages"].shape[3],
                                    num_pages=e["kv_pages"].shape[0])
 
 
-def _prepare(plan, b, kv_chunk):
-    h_kv = b.k.shape[1]
-    return tb.prepare(plan, num_q_heads=b.q.shape[1], num_kv_heads=h_kv, head_dim=b.q.shape[2], dtype=b.q.dtype,
-                      kv_chunk=kv_chunk)
+def paged_kv(b, layout: str = "TVM") -> PagedKV:
+    """``b``'s pages in an engine's layout (``testing.as_layout``), viewed as the kernels read them."""
+    return PagedKV.wrap(*as_layout(b.extra["kv_pages"], layout))
 
 
-def check_ragged(b, *, kv_chunk=None, expect_split=None, **kw):
-    ref = treeattn.tree_attention(*b.ragged_args(), backend="reference", **kw)
-    plan = _ragged_plan(b)
-    part = _prepare(plan, b, kv_chunk)
+def spec_of(q, h_kv: int, page_size=None) -> AttentionSpec:
+    return AttentionSpec(q.device, q.dtype, q.shape[1], h_kv, q.shape[2], q.shape[2], page_size)
+
+
+def check_ragged(b, *, kv_chunk=None, expect_split=None, sm_scale=None):
+    """Ragged tree attention through the backend (``kv_chunk`` forces the split) against the reference."""
+    sm_scale = sm_scale or 1 / math.sqrt(b.q.shape[2])
+    plan = ragged_plan(b)
+    state = BACKEND.plan(plan, spec_of(b.q, b.k.shape[1]), kv_chunk=kv_chunk)
     if expect_split is not None:
-        assert part.launch_merge == expect_split
+        assert state.launch_merge == expect_split
     out, lse = outputs_for(b.q)
-    res = treeattn.tree_attention(*b.ragged_args(), backend="triton", plan=plan, out=out, lse=lse, **kw)
-    assert res[0] is out and res[1] is lse
-    assert_close_to_reference(out, lse, *ref, b.q.dtype)
+    BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=sm_scale, out=out, lse=lse)
+    assert_close_to_reference(out, lse, *ref(b, sm_scale=sm_scale), b.q.dtype)
     return out, lse
 
 
-def check_paged(b, *, kv_chunk=None, expect_split=None):
-    ref = treeattn.tree_attention(*b.ragged_args(), backend="reference")
-    plan = _paged_plan(b)
-    part = _prepare(plan, b, kv_chunk)
+def check_paged(b, layout: str = "TVM", *, kv_chunk=None, expect_split=None):
+    kv = paged_kv(b, layout)
+    plan = paged_plan(b)
+    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=kv_chunk)
     if expect_split is not None:
-        assert part.launch_merge == expect_split
+        assert state.launch_merge == expect_split
     out, lse = outputs_for(b.q)
-    treeattn.paged_tree_attention(*b.paged_args(), backend="triton", plan=plan, out=out, lse=lse)
-    assert_close_to_reference(out, lse, *ref, b.q.dtype)
+    BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=1 / math.sqrt(b.q.shape[2]), out=out, lse=lse)
+    assert_close_to_reference(out, lse, *ref(b), b.q.dtype)
     return out, lse
+
+
+# Every engine's page layout; each is read by the kernel in place (K and V with their own strides).
+LAYOUTS = ("TVM", "NHD", "HND", "views", "interleaved", "own-strides")
 
 
 # A batch with prefixes long enough that a 64-key chunk splits several requests (and not others).
@@ -123,14 +158,17 @@ def test_ragged_head_dims(d):
     check_ragged(b)
 
 
-def test_ragged_strided_inputs():
-    """q, k and v as views with their own strides (a fused qkv buffer), as a model hands them over."""
+@pytest.mark.parametrize("v_from", ["fused", "own"])
+def test_ragged_strided_inputs(v_from):
+    """q, k and v as views with their own strides (a fused qkv buffer), as a model hands them over;
+    V from the same buffer (K's strides) or on its own (other strides)."""
     b = make_batch(LONG, h_q=4, h_kv=2, d=64, dtype=torch.float16, seed=17)
     fused = torch.randn(b.k.shape[0], 3, 2, 64).half()
     fused[:, 0], fused[:, 2] = b.k, b.v
-    b.k, b.v = fused[:, 0], fused[:, 2]
+    b.k, b.v = fused[:, 0], (fused[:, 2] if v_from == "fused" else b.v.contiguous())
     b.q = torch.cat([b.q, b.q], dim=1)[:, 2:6]  # a view into a wider tensor: token stride 8 * d
     assert b.k.stride(0) == 6 * 64 and not b.q.is_contiguous()
+    assert (b.k.stride() == b.v.stride()) == (v_from == "fused")
     check_ragged(b, kv_chunk=64)
 
 
@@ -155,56 +193,50 @@ ROPES = [
 
 @pytest.mark.parametrize("rope", ROPES, ids=lambda r: r.rope_type)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_ragged_inline_rope_tvm_layout(rope, dtype):
-    """TVM's layout: kv_indptr == q_indptr, k positions default to q positions (tree nodes at prefix + depth)."""
-    reqs = [Request(binary(7)), Request(forest(chain(3), star(4))), Request(chain(5))]
-    b = make_batch(reqs, h_q=4, h_kv=2, d=64, dtype=dtype, seed=5)
-    depths = [treeattn.TokenTree(r.parents).depth for r in reqs]
-    q_pos = torch.cat([d + off for d, off in zip(depths, (1000, 20000, 7))]).to(torch.int32)
-    check_ragged(b, rope=rope, q_positions=q_pos)
+def test_rope_kernel_matches_rope_apply(rope, dtype):
+    """The RoPE pass on strided input (a q slice of a fused buffer) equals ``RoPE.apply`` (TVM's formulas)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 10, 80, generator=gen).to(dtype)[:, 3:8]
+    positions = torch.randint(0, 60000, (37,), generator=gen, dtype=torch.int32)
+    got = BACKEND.rope(rope, x, positions)
+    want = rope.apply(x, positions)
+    assert got.dtype == dtype and got.is_contiguous()
+    atol = 2e-5 if dtype == torch.float32 else 2e-3  # fp32 sin/cos of angles up to 6e4 rad; one fp16 ulp
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
-def test_ragged_inline_rope_with_prefix_split():
-    """Separate k positions (a prefix in the ragged KV), split chunks, padded head dim."""
+def test_ragged_rope_then_attention_with_prefix_split():
+    """The ops pipeline for inline RoPE: rotate q and k with the backend, then attend (split, padded dim)."""
     b = make_batch(LONG[:2], h_q=4, h_kv=2, d=80, dtype=torch.float16, seed=6)
     gen = torch.Generator().manual_seed(0)
     q_pos = torch.randint(0, 5000, (b.q.shape[0],), generator=gen, dtype=torch.int32)
     k_pos = torch.randint(0, 5000, (b.k.shape[0],), generator=gen, dtype=torch.int32)
-    check_ragged(b, kv_chunk=64, expect_split=True, rope=ROPES[0], q_positions=q_pos, k_positions=k_pos)
+    b.q, b.k = BACKEND.rope(ROPES[0], b.q, q_pos), BACKEND.rope(ROPES[0], b.k, k_pos)
+    check_ragged(b, kv_chunk=64, expect_split=True)
 
 
-# ---------------------------------------------------------------- paged
+# ---------------------------------------------------------------- paged: every layout, read in place
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_paged_page_sizes(page_size, dtype):
-    b = make_batch(MIXED + LONG[:1], h_q=4, h_kv=2, d=64, dtype=dtype, seed=7, page_size=page_size)
-    check_paged(b, kv_chunk=0, expect_split=False)
+def test_paged_layouts_and_page_sizes(layout, page_size):
+    b = make_batch(MIXED + LONG[:1], h_q=4, h_kv=2, d=32, dtype=torch.float16, seed=7, page_size=page_size)
+    check_paged(b, layout, kv_chunk=0, expect_split=False)
 
 
+@pytest.mark.parametrize("layout", ["TVM", "own-strides"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_split_qo_less_than_tree(page_size):
+def test_paged_split_qo_less_than_tree(layout, page_size):
     b = make_batch(LONG + [Request(binary(31), prefix=40, qo=16)], h_q=8, h_kv=2, d=128, dtype=torch.float16,
                    seed=8, page_size=page_size)
-    check_paged(b, kv_chunk=64, expect_split=True)
+    check_paged(b, layout, kv_chunk=64, expect_split=True)
 
 
-def test_paged_bf16_and_padded_dim():
-    b = make_batch(LONG, h_q=4, h_kv=1, d=80, dtype=torch.bfloat16, seed=9, page_size=16)
-    check_paged(b, kv_chunk=64)
-
-
-def test_paged_rejects_non_power_of_two_pages():
-    b = make_batch([Request(chain(3), prefix=5)], h_q=2, h_kv=1, d=16, page_size=12)
-    with pytest.raises(ValueError, match="power-of-two page size"):
-        treeattn.paged_tree_attention(*b.paged_args(), backend="triton")
-
-
-def test_head_dim_too_large_is_a_clear_error():
-    b = make_batch([Request(chain(2))], h_q=1, h_kv=1, d=272)
-    with pytest.raises(ValueError, match="head dim 272"):
-        treeattn.tree_attention(*b.ragged_args(), backend="triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_dtypes_and_padded_dim(dtype):
+    b = make_batch(LONG, h_q=4, h_kv=1, d=80, dtype=dtype, seed=9, page_size=16)
+    check_paged(b, "views", kv_chunk=64)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -212,15 +244,92 @@ def test_head_dim_too_large_is_a_clear_error():
        prefixes=st.lists(st.integers(0, 80), min_size=3, max_size=3), data=st.data())
 def test_paged_random_forests(trees, prefixes, data):
     reqs = [Request(t, prefix=p, qo=data.draw(st.integers(1, len(t)))) for t, p in zip(trees, prefixes)]
-    b = make_batch(reqs, h_q=4, h_kv=2, d=32, dtype=torch.float32, seed=10, page_size=16)
-    check_paged(b, kv_chunk=data.draw(st.sampled_from([0, 32])))
+    page_size = data.draw(st.sampled_from([1, 4, 16]))
+    b = make_batch(reqs, h_q=4, h_kv=2, d=32, dtype=torch.float32, seed=10, page_size=page_size)
+    check_paged(b, data.draw(st.sampled_from(LAYOUTS)), kv_chunk=data.draw(st.sampled_from([0, 32])))
 
 
 def test_tree_size_zero_everywhere():
     b = make_batch([Request((), prefix=40, qo=5), Request((), prefix=0, qo=3)], h_q=2, h_kv=2, d=64,
                    dtype=torch.float16, seed=11, page_size=16)
     out, lse = check_paged(b)
-    assert (out[5:] == 0).all() and (lse[5:] == -5e4).all()
+    assert (out[5:] == 0).all() and (lse[5:] == EMPTY_LSE).all()
+
+
+def largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation any op makes while ``fn()`` runs (torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max([e.cpu_memory_usage for e in prof.events()] + [0])
+
+
+def test_paged_run_allocates_no_cache_sized_tensor():
+    """The pages are read in place: nothing the run allocates (split workspace included) nears the cache's size."""
+    b = make_batch([Request(binary(7), prefix=300)], h_q=2, h_kv=1, d=16, dtype=torch.float32, seed=12,
+                   page_size=16, spare_pages=0)
+    kv = paged_kv(b, "views")
+    plan = paged_plan(b)
+    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=64)
+    assert state.launch_merge
+    out, lse = outputs_for(b.q)
+    k_bytes = kv.k.numel() * kv.k.element_size()
+    assert largest_allocation(lambda: kv.k.contiguous()) >= k_bytes  # the probe sees a copy of the pages
+    run = lambda: BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=0.25, out=out, lse=lse)
+    assert 0 < largest_allocation(run) < k_bytes // 2
+    assert_close_to_reference(out, lse, *ref(b, sm_scale=0.25), torch.float32)
+
+
+# ---------------------------------------------------------------- through the public ops
+
+
+def test_public_ops_run_every_layout_and_rope_on_triton():
+    """``ops`` -> ``TritonBackend`` -> launcher -> kernel: paged with an engine layout, ragged with inline RoPE."""
+    b = make_batch(LONG[:3], h_q=4, h_kv=2, d=32, dtype=torch.float16, seed=30, page_size=16)
+    e = b.extra
+    pages, kv_layout = as_layout(e["kv_pages"], "own-strides")
+    out, lse = outputs_for(b.q)
+    got = treeattn.paged_tree_attention(b.q, b.q_indptr, pages, e["page_indptr"], e["page_indices"],
+                                        e["last_page_len"], b.tree_indptr, b.tree_order, kv_layout=kv_layout,
+                                        out=out, lse=lse, backend="triton")
+    assert got[0] is out and got[1] is lse
+    assert_close_to_reference(out, lse, *ref(b), torch.float16)
+    gen = torch.Generator().manual_seed(1)
+    kw = dict(rope=ROPES[1], q_positions=torch.randint(0, 9000, (b.q.shape[0],), generator=gen, dtype=torch.int32),
+              k_positions=torch.randint(0, 9000, (b.k.shape[0],), generator=gen, dtype=torch.int32))
+    out, lse = outputs_for(b.q)
+    treeattn.tree_attention(*b.ragged_args(), out=out, lse=lse, backend="triton", **kw)
+    assert_close_to_reference(out, lse, *ref(b, **kw), torch.float16)
+
+
+def test_the_interpreter_is_never_picked_by_default():
+    """backend=None on CPU takes the CPU backend even with TRITON_INTERPRET=1 (a test tool, far slower)."""
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, 2, 1, 16, 16)
+    assert BACKEND.unsupported(spec) is None and not BACKEND.auto
+    assert select(None, spec).name != "triton"
+
+
+# ---------------------------------------------------------------- capabilities
+
+
+def test_unsupported_inputs_get_a_reason():
+    spec = AttentionSpec(torch.device("cpu"), torch.float16, 4, 2, 64, 64, page_size=12)
+    assert BACKEND.unsupported(spec) == "page size 12 is not a power of two"
+    assert BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 4, 2, 64, 64, page_size=16)) is None
+    assert "head dim 272" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 272, 272))
+    assert "V head dim 32" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 64, 32))
+    assert "float64" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float64, 1, 1, 64, 64))
+    window = AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 64, 64, sliding_window=8, sinks=True)
+    assert "sliding_window, sinks" in BACKEND.unsupported(window)
+    assert BACKEND.unavailable() is None
+
+
+def test_cpu_without_the_interpreter_is_unsupported(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    reason = BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 4, 2, 64, 64))
+    assert "TRITON_INTERPRET=1" in reason
+    assert "TRITON_INTERPRET changed" in BACKEND.unavailable()  # triton is imported in interpreter mode here
 
 
 # ---------------------------------------------------------------- merge_state
@@ -232,45 +341,59 @@ def test_merge_state(dtype):
     shape = (37, 5, 80)
     oa, ob = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     la, lb = (torch.randn(shape[:2], generator=gen) * 8 for _ in range(2))
-    lb[:4] = -5e4  # an empty side gets zero weight
-    ref = treeattn.merge_state(oa, la, ob, lb, backend="reference")
+    lb[:4] = EMPTY_LSE  # an empty side gets zero weight
     out, lse = outputs_for(oa)
-    treeattn.merge_state(oa, la, ob, lb, out=out, lse=lse, backend="triton")
-    assert_close_to_reference(out, lse, *ref, dtype)
+    BACKEND.merge_state(oa, la, ob, lb, out=out, lse=lse)
+    assert_close_to_reference(out, lse, *treeattn.merge_state(oa, la, ob, lb, backend="reference"), dtype)
     torch.testing.assert_close(out[:4], oa[:4])
-    treeattn.merge_state(oa, la, ob, lb, out=oa, lse=la, backend="triton")  # in place
+    BACKEND.merge_state(oa, la, ob, lb, out=oa, lse=la)  # in place
     torch.testing.assert_close(oa, out)
+
+
+def test_merge_state_empty_sides():
+    """A side with no keys (EMPTY_LSE or -inf) gets zero weight whatever the other side's LSE, even a real
+    LSE below the sentinel or a NaN in the empty side's output; two empty sides give 0 and EMPTY_LSE."""
+    inf = float("inf")
+    la = torch.tensor([[EMPTY_LSE, -inf, -6e4, EMPTY_LSE, -inf, 3.0]])
+    lb = torch.tensor([[EMPTY_LSE, -inf, EMPTY_LSE, -inf, 2.0, -inf]])
+    oa, ob = torch.randn(1, 6, 16), torch.randn(1, 6, 16)
+    oa[0, 4], ob[0, 5] = float("nan"), float("nan")  # outputs of empty sides
+    out, lse = outputs_for(oa)
+    BACKEND.merge_state(oa, la, ob, lb, out=out, lse=lse)
+    want = treeattn.merge_state(oa, la, ob, lb, backend="reference")
+    assert_close_to_reference(out, lse, *want, torch.float32)
+    assert (out[0, :2] == 0).all() and (lse[0, :2] == EMPTY_LSE).all()
+    torch.testing.assert_close(out[0, 2], oa[0, 2])  # the real side wins although its LSE is below the sentinel
 
 
 def test_split_merge_equals_merge_state_of_halves():
     """Tree attention over a prefix split in two pieces, merged, equals one call over all keys."""
     b = make_batch([Request(binary(7), prefix=100)], h_q=4, h_kv=2, d=64, dtype=torch.float32, seed=13)
-    whole = treeattn.tree_attention(*b.ragged_args(), backend="triton")
+    whole = check_ragged(b, kv_chunk=0)
     cut = 60
-    q_ip = b.q_indptr
-    empty_tree = (torch.tensor([0, 0], dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32))
-    first = treeattn.tree_attention(b.q, q_ip, b.k[:cut], b.v[:cut], torch.tensor([0, cut], dtype=torch.int32),
-                                    *empty_tree, backend="triton")
-    second = treeattn.tree_attention(b.q, q_ip, b.k[cut:], b.v[cut:],
-                                     torch.tensor([0, b.k.shape[0] - cut], dtype=torch.int32),
-                                     b.tree_indptr, b.tree_order, backend="triton")
-    merged = treeattn.merge_state(*first, *second, backend="triton")
-    torch.testing.assert_close(merged[0], whole[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(merged[1], whole[1], atol=1e-5, rtol=1e-5)
+    first, second = make_batch([Request((), prefix=cut, qo=7)], h_q=4, h_kv=2, d=64), make_batch(
+        [Request(binary(7), prefix=100 - cut)], h_q=4, h_kv=2, d=64)
+    first.q = second.q = b.q
+    first.k, first.v, second.k, second.v = b.k[:cut], b.v[:cut], b.k[cut:], b.v[cut:]
+    parts = [check_ragged(part, kv_chunk=0) for part in (first, second)]
+    out, lse = outputs_for(b.q)
+    BACKEND.merge_state(*parts[0], *parts[1], out=out, lse=lse)
+    torch.testing.assert_close(out, whole[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, whole[1], atol=1e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- plan, partition, graphs, torch.library
+# ---------------------------------------------------------------- partition, graphs, torch.library
 
 
 def test_partition_covers_every_row_and_key_once():
     rng = np.random.default_rng(0)
     reqs = [Request(random_tree(rng, n, 0.2), prefix=p) for n, p in [(9, 300), (1, 0), (30, 1000), (4, 65)]]
     b = make_batch(reqs + [Request((), prefix=0, qo=2)], h_q=8, h_kv=2, d=64, seed=14)
-    plan = _ragged_plan(b)
+    plan = ragged_plan(b)
     tiles = choose_tiles(torch.float16, 64, 30 * 4)
     host = partition_arrays(plan, 4, tiles, chunk=128)
     seen = {}
-    for req, row0, lo, hi, split in host["work"].tolist():
+    for req, row0, lo, hi, _split in host["work"].tolist():
         for row in range(row0, min(row0 + tiles.block_m, int(plan.qo_lens[req]) * 4)):
             seen.setdefault((req, row), []).append((lo, hi))
     for r in range(plan.batch_size):
@@ -292,25 +415,25 @@ def test_split_heuristic_fills_the_gpu_at_batch_1_and_not_at_batch_64():
 
 
 def test_graph_envelope_rebinds_fixed_buffers():
-    """Fixed grids and buffers (as a CUDA graph replays them) serve batches of different shapes."""
-    env = tb.GraphEnvelope(max_batch=6, max_tokens=64, max_qo_len=31, max_tree_nodes=80, max_pages=64,
-                           num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu",
-                           max_work=40, max_partial_rows=48)
-    buffers = [t.data_ptr() for t in (env.partition.work, env.partition.o_part)]
-    for seed, reqs in enumerate([LONG, MIXED[:4]]):
-        b = make_batch(reqs, h_q=4, h_kv=2, d=64, dtype=torch.float16, seed=20 + seed, page_size=16)
-        q = torch.cat([b.q, torch.randn(64 - b.q.shape[0], 4, 64).half()])  # padded to the envelope
+    """Fixed grids and tables (as a CUDA graph replays them) serve batches of different shapes and layouts."""
+    env = GraphEnvelope(max_batch=6, max_tokens=64, max_qo_len=31, max_tree_nodes=80, max_pages=64,
+                        num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16, device="cpu",
+                        max_work=40, max_partial_rows=48)
+    tables = [t.data_ptr() for t in (env.partition.work, env.partition.requests)]
+    for seed, (reqs, layout) in enumerate([(LONG, "TVM"), (MIXED[:4], "HND")]):
+        b = make_batch(reqs, h_q=4, h_kv=2, d=32, dtype=torch.float16, seed=20 + seed, page_size=16)
+        q = torch.cat([b.q, torch.randn(64 - b.q.shape[0], 4, 32).half()])  # padded to the envelope
         out, lse = poisoned(q), poisoned(q, q.shape[:2], torch.float32)
-        plan = _paged_plan(b)
+        plan = paged_plan(b)
         env.bind(plan)
-        env.run_paged(q, b.extra["kv_pages"], out, lse)
-        ref = treeattn.tree_attention(*b.ragged_args(), backend="reference")
+        pages, kv_layout = as_layout(b.extra["kv_pages"], layout)
+        env.run_paged(q, pages, out, lse, kv_layout=kv_layout)
         rows = b.q.shape[0]
-        assert_close_to_reference(out[:rows], lse[:rows], *ref, torch.float16)
+        assert_close_to_reference(out[:rows], lse[:rows], *ref(b), torch.float16)
         assert torch.isnan(out[rows:]).all()  # rows past the batch are left alone
-    assert buffers == [t.data_ptr() for t in (env.partition.work, env.partition.o_part)]
+    assert tables == [t.data_ptr() for t in (env.partition.work, env.partition.requests)]
     with pytest.raises(ValueError, match="more than this GraphEnvelope holds"):
-        env.bind(_paged_plan(make_batch([Request(chain(40))] * 2, h_q=4, h_kv=2, d=64, page_size=16)))
+        env.bind(paged_plan(make_batch([Request(chain(40))] * 2, h_q=4, h_kv=2, d=32, page_size=16)))
 
 
 def test_torch_library_ops_opcheck_and_compile():
@@ -321,14 +444,10 @@ def test_torch_library_ops_opcheck_and_compile():
                           (oa, la, ob, lb, torch.empty_like(oa), torch.empty_like(la)))
 
     b = make_batch([Request(binary(7), prefix=9)], h_q=2, h_kv=1, d=16, seed=16, page_size=16)
-    plan = _paged_plan(b)
-    part = _prepare(plan, b, kv_chunk=0)
-    pages = b.extra["kv_pages"]
-    t = part.tiles
-    args = (b.q, pages[:, 0], pages[:, 1], part.requests, part.work, part.counts, part.token_request,
-            part.tree_order, part.page_indices, part.o_part, part.lse_part, torch.empty_like(b.q),
-            torch.empty(b.q.shape[:2]), 0.25, t.block_m, t.block_n, t.block_d, t.num_warps, t.num_stages,
-            t.fp32_dot, part.grid_work, part.grid_tokens, part.launch_merge)
+    kv = paged_kv(b, "views")
+    plan = paged_plan(b)
+    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=0)
+    args = (b.q, kv.k, kv.v, torch.empty_like(b.q), torch.empty(b.q.shape[:2]), 0.25, kv.page_size, *state.op_args)
     torch.library.opcheck(torch.ops.treeattn.triton_tree_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     freqs, divide = ROPES[1].frequencies(16)
@@ -337,11 +456,13 @@ def test_torch_library_ops_opcheck_and_compile():
                            1.0, 1.0, divide))
 
     @torch.compile(backend="eager", fullgraph=True)
-    def attend(q, kv_pages, out, lse):
-        tb.run(part, q, kv_pages[:, 0], kv_pages[:, 1], out, lse, sm_scale=0.25)
+    def attend(q, buf, out, lse):
+        # PagedKV(...) rather than PagedKV.wrap: wrap's data-pointer check (MLA) breaks a fullgraph trace
+        BACKEND.paged_tree_attention(q, PagedKV(buf[:, 0], buf[:, 1], "NHD"), plan, state, sm_scale=0.25,
+                                     out=out, lse=lse)
         return out * 2, lse
 
+    buf = torch.stack([kv.k, kv.v], dim=1)
     out, lse = outputs_for(b.q)
-    doubled, lse = attend(b.q, pages, out, lse)
-    ref = treeattn.tree_attention(*b.ragged_args(), backend="reference", sm_scale=0.25)
-    assert_close_to_reference(doubled / 2, lse, *ref, torch.float32)
+    doubled, lse = attend(b.q, buf, out, lse)
+    assert_close_to_reference(doubled / 2, lse, *ref(b, sm_scale=0.25), torch.float32)

@@ -153,7 +153,7 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
     check_float(v, "v", 3, q.dtype, q.device)
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same [keys, heads], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if v.numel() and v.data_ptr() == k.data_ptr() and v.shape[2] > k.shape[2]:
+    if v.numel() and not torch.compiler.is_compiling() and v.data_ptr() == k.data_ptr() and v.shape[2] > k.shape[2]:
         raise ValueError(f"v starts where k does (a view of it, as MLA's latent) but has head dim {v.shape[2]} > "
                          f"k's {k.shape[2]}: a view of k can only take k's first dims")
     check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k")

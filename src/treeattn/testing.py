@@ -148,8 +148,11 @@ def paginate(k, v, kv_lens, page_size, gen, spare_pages=3, shuffle=True) -> dict
 
 def as_layout(kv_pages: torch.Tensor, layout: str):
     """TVM's combined pages in an engine's layout: ``"TVM"`` (unchanged), ``"NHD"``/``"HND"`` (a contiguous
-    ``(k_pages, v_pages)`` pair) or ``"views"`` (NHD K and V as strided views of one
-    ``[num_pages, 2, page_size, h_kv, d]`` buffer, as vLLM allocates them). Returns ``(kv_pages, kv_layout)``."""
+    ``(k_pages, v_pages)`` pair), ``"views"`` (NHD K and V as strided views of one
+    ``[num_pages, 2, page_size, h_kv, d]`` buffer, as vLLM allocates them), ``"interleaved"`` (NHD views of
+    one ``[num_pages, page_size, h_kv, 2, d]`` buffer: K and V side by side in each head's row) or
+    ``"own-strides"`` (a contiguous NHD K, and V a view with another page stride: K and V strided
+    differently). Returns ``(kv_pages, kv_layout)``."""
     if layout == "TVM":
         return kv_pages, None
     k, v = kv_pages[:, 0], kv_pages[:, 1]  # [P, h_kv, page_size, d]
@@ -160,6 +163,12 @@ def as_layout(kv_pages: torch.Tensor, layout: str):
     if layout == "views":
         buf = kv_pages.transpose(2, 3).contiguous()  # [P, 2, page_size, h_kv, d]
         return (buf[:, 0], buf[:, 1]), "NHD"
+    if layout == "interleaved":
+        buf = kv_pages.permute(0, 3, 2, 1, 4).contiguous()  # [P, page_size, h_kv, 2, d]
+        return (buf[..., 0, :], buf[..., 1, :]), "NHD"
+    if layout == "own-strides":
+        buf = torch.cat([kv_pages, kv_pages[:, :1]], dim=1).transpose(2, 3).contiguous()  # [P, 3, page_size, h_kv, d]
+        return (buf[:, 0].contiguous(), buf[:, 1]), "NHD"
     raise ValueError(f"unknown layout {layout!r}")
 
 

@@ -64,8 +64,7 @@ def _select(name: str | None, spec: AttentionSpec) -> Backend:
     reasons = []
     for candidate in BACKENDS:
         backend = get_backend(candidate)
-        reason = _why_not(backend, spec) or (None if backend.auto else "only used when asked for by name "
-                                              "(backend='reference': float64 on the CPU, slow)")
+        reason = _why_not(backend, spec) or (None if backend.auto else backend.manual_reason)
         if reason is None:
             return backend
         reasons.append(f"  {candidate}: {reason}")

@@ -72,7 +72,8 @@ class Backend:
     """Base class of the backends; subclasses set ``name`` and implement the calls."""
 
     name: str = ""
-    auto: bool = True  # may be picked by ``backend=None`` (the reference is only picked by name)
+    auto: bool = True  # may be picked by ``backend=None``
+    manual_reason: str = "only used when asked for by name"  # why not, when ``auto`` is False
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all in this process (a missing package), or None."""

@@ -1,10 +1,15 @@
-"""Compile every kernel variant the dispatcher can select, for sm_80 and sm_90, without a GPU.
+"""Compile every kernel variant the backend can select, for sm_80 and sm_90, without a GPU.
 
 Run as ``python -m treeattn.backends.triton.aot [--arch 80 90] [--jobs 2] [--json FILE]``. It
 must run where ``TRITON_INTERPRET`` is unset (it compiles real kernels; interpreted ones cannot
 be compiled), hence a module of its own that tests start in a subprocess. For each variant it
 reports the shared memory, register spills and the instruction mix of the SASS (``cuobjdump``
 from the triton wheel): HMMA (sm_80 tensor cores), HGMMA (sm_90 warpgroup MMA), FFMA.
+
+Each variant's kernel arguments come from the launcher's own ``*_launch`` function (``launch.py``),
+called with small CPU tensors of the variant's dtypes: the argument list is never written here,
+and each argument's Triton type is read off the value it gets. Attention variants take K and V as
+two views of one page buffer, each with its own strides, as engines hand them over.
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from .dispatch import TileConfig, choose_tiles
-from .launch import MERGE_BLOCK_H, MERGE_BLOCK_ROWS, ROPE_BLOCK_ROWS
+from .launch import Launch, attention_launch, merge_splits_launch, merge_state_launch, rope_launch
+from .partition import TileConfig, choose_tiles
 
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per block (opt-in maximum)
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+TRITON_TYPES = {**DTYPES, torch.int32: "i32"}  # pointee types of tensor arguments
 HEAD_DIMS = (64, 80, 128, 256)  # 80: the padded path (BLOCK_D 128)
-ROWS = (1, 16, 32, 64, 128, 1024)  # qo_len * group values that reach every BLOCK_M the dispatcher picks
+ROWS = (1, 16, 32, 64, 128, 1024)  # qo_len * group values that reach every BLOCK_M the backend picks
 
 
 @dataclass(frozen=True)
@@ -39,22 +45,26 @@ class Variant:
     paged: bool = False
     tiles: TileConfig | None = None
     divide: bool = True  # rope: angle s / g (default/gptj/longrope) or s * g
+    own_v_strides: bool = False  # attention: V strided unlike K (the general address path)
 
     @property
     def name(self) -> str:
         t = self.tiles
         tiles = f"-m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}" if t else ""
         extra = "-paged" if self.paged else ("-div" if self.kernel == "rope" and self.divide else "")
-        return f"{self.kernel}-{self.dtype}-d{self.head_dim}{tiles}{extra}"
+        return f"{self.kernel}-{self.dtype}-d{self.head_dim}{tiles}{extra}{'-own-v' if self.own_v_strides else ''}"
 
 
-def dispatcher_variants(arch: int) -> list[Variant]:
+def all_variants(arch: int) -> list[Variant]:
     """Every compiled configuration ``choose_tiles`` and the launchers can produce on ``sm_{arch}``."""
     out = []
     for dtype, name in DTYPES.items():
         for d in HEAD_DIMS:
-            for tiles in sorted({choose_tiles(dtype, d, rows, arch=arch) for rows in ROWS}, key=lambda t: t.block_m):
+            tile_set = sorted({choose_tiles(dtype, d, rows, arch=arch) for rows in ROWS}, key=lambda t: t.block_m)
+            for tiles in tile_set:
                 out += [Variant("attention", name, d, paged, tiles) for paged in (False, True)]
+            # V strided unlike K (its own address computation): at the largest, most register-hungry tile
+            out += [Variant("attention", name, d, paged, tile_set[-1], own_v_strides=True) for paged in (False, True)]
             out.append(Variant("merge_splits", name, d))
             out += [Variant("rope", name, d, divide=div) for div in (True, False)]
             out.append(Variant("merge_state", name, d))
@@ -62,14 +72,15 @@ def dispatcher_variants(arch: int) -> list[Variant]:
 
 
 def ci_variants(arch: int) -> list[Variant]:
-    """The subset CI compiles (20 compiles with both archs): the paged bf16 kernel at every head
-    dim with its largest (most register- and shared-memory-hungry) tile, the smallest tile (no
-    warpgroup MMA on sm_90), the ragged kernel, fp32, and each small kernel."""
-    every = dispatcher_variants(arch)
+    """The subset CI compiles (22 compiles with both archs): the paged bf16 kernel at every head
+    dim with its largest (most register- and shared-memory-hungry) tile, the same with V strided
+    unlike K (the general address path), the smallest tile (no warpgroup MMA on sm_90), the ragged
+    kernel, fp32, and each small kernel."""
+    every = all_variants(arch)
 
-    def pick(kernel, dtype, head_dim, paged=False, block_m=None, divide=True):
-        found = [v for v in every if (v.kernel, v.dtype, v.head_dim, v.paged, v.divide) ==
-                 (kernel, dtype, head_dim, paged, divide)]
+    def pick(kernel, dtype, head_dim, paged=False, block_m=None, divide=True, own_v_strides=False):
+        found = [v for v in every if (v.kernel, v.dtype, v.head_dim, v.paged, v.divide, v.own_v_strides) ==
+                 (kernel, dtype, head_dim, paged, divide, own_v_strides)]
         if block_m == "max":
             return max(found, key=lambda v: v.tiles.block_m)
         if block_m == "min":
@@ -77,47 +88,52 @@ def ci_variants(arch: int) -> list[Variant]:
         return found[0]
 
     chosen = [pick("attention", "bf16", d, True, "max") for d in HEAD_DIMS]
+    chosen.append(pick("attention", "bf16", 128, True, "max", own_v_strides=True))
     chosen += [pick("attention", "fp16", 128, True, "min"), pick("attention", "fp16", 128, False, "max"),
                pick("attention", "fp32", 128, True, "max")]
     chosen += [pick("merge_splits", "bf16", 80), pick("merge_state", "fp16", 128), pick("rope", "bf16", 128)]
     return chosen
 
 
-def _signature(v: Variant) -> tuple:
-    """(kernel function, argument types, constexprs, num_warps, num_stages) for ``v``."""
-    from . import kernels
-
-    dt = f"*{v.dtype}"
-    block_d = max(16, 1 << (v.head_dim - 1).bit_length())
-    i32 = "i32"
+def _launch(v: Variant) -> Launch:
+    """``v``'s launch, built by the launcher's own argument-list function from small CPU tensors."""
+    dtype = next(t for t, name in DTYPES.items() if name == v.dtype)
+    x = lambda *shape: torch.empty(shape, dtype=dtype)
+    i32, f32 = torch.empty(1, dtype=torch.int32), torch.empty(1, 1, dtype=torch.float32)
+    d = v.head_dim
     if v.kernel == "attention":
-        t = v.tiles
-        types = {"q_ptr": dt, "k_ptr": dt, "v_ptr": dt, "out_ptr": dt, "lse_ptr": "*fp32", "o_part_ptr": "*fp32",
-                 "lse_part_ptr": "*fp32", "requests_ptr": "*i32", "work_ptr": "*i32", "counts_ptr": "*i32",
-                 "tree_order_ptr": "*i32", "page_indices_ptr": "*i32", "qk_scale": "fp32"}
-        for a in ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_page",
-                  "page_log2", "num_q_heads", "group"):
-            types[a] = i32
-        const = {"HEAD_DIM": v.head_dim, "PAGED": v.paged, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n,
-                 "BLOCK_D": t.block_d, "FP32_DOT": t.fp32_dot}
-        return kernels.tree_attn_kernel, types, const, t.num_warps, t.num_stages
+        page_size = 16 if v.paged else 0
+        shape = (2, page_size, 1, d) if v.paged else (2, 1, d)  # logical pages [P, page_size, h_kv, d] or ragged
+        if v.own_v_strides:  # K on its own, V a view of a bigger buffer
+            k, v_ = x(*shape), x(shape[0], 3, *shape[1:])[:, 1]
+        else:  # K and V as views of one engine buffer [P, 2, ...]
+            k, v_ = x(shape[0], 2, *shape[1:]).unbind(1)
+        q = x(2, 2, d)
+        return attention_launch(q, k, v_, q, f32, f32, f32, i32, i32, i32, i32, i32, sm_scale=1.0,
+                                page_size=page_size, tiles=v.tiles, grid_work=1)
     if v.kernel == "merge_splits":
-        types = {"out_ptr": dt, "lse_ptr": "*fp32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32",
-                 "requests_ptr": "*i32", "token_request_ptr": "*i32", "counts_ptr": "*i32", "num_q_heads": i32}
-        const = {"HEAD_DIM": v.head_dim, "BLOCK_H": MERGE_BLOCK_H, "BLOCK_D": block_d}
-        return kernels.merge_splits_kernel, types, const, 4, 1
+        return merge_splits_launch(x(2, 2, d), f32, f32, f32, i32, i32, i32, grid_tokens=1)
     if v.kernel == "rope":
-        types = {"x_ptr": dt, "pos_ptr": "*i32", "freq_ptr": "*fp32", "out_ptr": dt, "num_rows": i32,
-                 "num_heads": i32, "stride_xt": i32, "stride_xh": i32, "rope_scale": "fp32", "rope_mult": "fp32"}
-        const = {"HEAD_DIM": v.head_dim, "BLOCK_R": ROPE_BLOCK_ROWS, "BLOCK_D": block_d, "ROPE_DIVIDE": v.divide}
-        return kernels.rope_kernel, types, const, 4, 1
-    types = {"out_a_ptr": dt, "lse_a_ptr": "*fp32", "out_b_ptr": dt, "lse_b_ptr": "*fp32", "out_ptr": dt,
-             "lse_ptr": "*fp32"}
-    for a in ("num_rows", "num_heads", "stride_an", "stride_ah", "stride_bn", "stride_bh", "stride_lan",
-              "stride_lah", "stride_lbn", "stride_lbh"):
-        types[a] = i32
-    const = {"HEAD_DIM": v.head_dim, "BLOCK_R": MERGE_BLOCK_ROWS, "BLOCK_D": block_d}
-    return kernels.merge_state_kernel, types, const, 4, 1
+        return rope_launch(x(2, 2, d), i32, torch.empty(d), x(2, 2, d), scale=1.0, multiplier=1.0, divide=v.divide)
+    return merge_state_launch(x(2, 2, d), f32, x(2, 2, d), f32, x(2, 2, d), f32)
+
+
+def _signature(fn, args: dict) -> tuple[dict, dict]:
+    """Triton argument types (``"*fp16"``, ``"i32"``, ``"fp32"``, ``"constexpr"``) and constexpr values."""
+    types, constexprs = {}, {}
+    for p in fn.params:
+        value = args[p.name]
+        if p.is_constexpr:
+            types[p.name], constexprs[p.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            types[p.name] = "*" + TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            types[p.name] = "i1"
+        elif isinstance(value, int):
+            types[p.name] = "i32"
+        else:
+            types[p.name] = "fp32"
+    return types, constexprs
 
 
 def _sass(cubin: bytes) -> str:
@@ -137,19 +153,22 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, types, const, num_warps, num_stages = _signature(v)
-    sig = dict(types)
-    sig.update({k: "constexpr" for k in const})
+    from . import kernels
+
+    launch = _launch(v)
+    fn = getattr(kernels, launch.kernel)
+    types, const = _signature(fn, launch.args)
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in types.items() if t.startswith("*")}
     start = time.perf_counter()
-    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                        target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    ck = triton.compile(ASTSource(fn=fn, signature=types, constexprs=const, attrs=attrs),
+                        target=GPUTarget("cuda", arch, 32),
+                        options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
     seconds = time.perf_counter() - start
     sass = _sass(ck.asm["cubin"])
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M)
-    count = lambda op: sum(1 for o in ops if o == op)  # noqa: E731
+    count = lambda op: sum(1 for o in ops if o == op)
     return {"variant": v.name, "arch": arch, "kernel": v.kernel, "dtype": v.dtype, "head_dim": v.head_dim,
-            "tiles": asdict(v.tiles) if v.tiles else None, "shared": ck.metadata.shared,
+            "tiles": asdict(v.tiles) if v.tiles else None, "own_v_strides": v.own_v_strides, "shared": ck.metadata.shared,
             "max_shared": MAX_SHARED[arch], "spill_stores": count("STL"), "hmma": count("HMMA"),
             "hgmma": count("HGMMA"), "ffma": count("FFMA"), "instructions": len(ops), "seconds": round(seconds, 2)}
 
@@ -176,7 +195,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="write the results here (default: print them)")
     args = parser.parse_args(argv)
     def variants_of(arch):
-        chosen = ci_variants(arch) if args.ci else dispatcher_variants(arch)
+        chosen = ci_variants(arch) if args.ci else all_variants(arch)
         return [v for v in chosen if not args.kernel or v.kernel in args.kernel]
 
     results = compile_all(variants_of, args.arch, args.jobs)

@@ -1,9 +1,11 @@
 """Fixed-size work buffers for CUDA graphs.
 
 A captured graph replays the same kernels with the same pointers and grid sizes. So the envelope
-owns every table the kernels read (work list, request table, tree order, page table, split
-workspace) at its maximum size, and launches fixed grids; ``bind(plan)`` refills the tables for a
-new batch outside the graph (host work plus async copies), and programs past the live work exit.
+owns every table the kernels read (work list, request table, tree order, page table) at its
+maximum size, sizes the split workspace (allocated inside the launch, so from the graph's own
+memory pool during capture) at its maximum, and launches fixed grids; ``bind(plan)`` refills the
+tables for a new batch outside the graph (host work plus async copies), and programs past the
+live work exit.
 Typical use::
 
     env = GraphEnvelope(max_batch=8, max_tokens=8 * 64, max_qo_len=64, max_tree_nodes=8 * 64, max_pages=4096,
@@ -20,11 +22,12 @@ import math
 import numpy as np
 import torch
 
+from ...layout import PagedKV
 from ...plan import TreeAttentionPlan
 from ...rope import RoPE
-from .dispatch import (TileConfig, WorkPartition, cdiv, choose_tiles, device_arch, num_sms, partition_arrays,
-                       partition_key, split_chunk)
-from .runner import run
+from .. import AttentionSpec, select
+from .partition import WorkPartition, cdiv, num_sms, partition_arrays, plan_tiles, split_chunk
+from .tables import CountColumn, RequestColumn, WorkColumn
 
 
 class GraphEnvelope:
@@ -35,34 +38,35 @@ class GraphEnvelope:
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, max_pages: int = 0,
                  max_work: int | None = None, max_partial_rows: int | None = None):
         device = torch.device(device)
-        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_qo_len", max_qo_len)):
+        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens), ("max_qo_len", max_qo_len),
+                            ("num_kv_heads", num_kv_heads)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        self.group = num_q_heads // num_kv_heads
-        self.key = partition_key(num_q_heads, num_kv_heads, head_dim, dtype)
-        self.num_kv_heads, self.head_dim, self.device = num_kv_heads, head_dim, device
-        tiles: TileConfig = choose_tiles(dtype, head_dim, max_qo_len * self.group, arch=device_arch(device),
-                                         interpret=device.type == "cpu")
-        unsplit = cdiv(max_tokens * self.group, tiles.block_m) + max_batch  # bound on items without splits
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.spec = AttentionSpec(device, dtype, num_q_heads, num_kv_heads, head_dim, head_dim)
+        self.backend = select("triton", self.spec)  # raises with the reason when triton cannot serve it
+        tiles = plan_tiles(self.spec, max_qo_len * self.spec.group)
+        unsplit = cdiv(max_tokens * self.spec.group, tiles.block_m) + max_batch  # bound on items without splits
         self.max_work = max_work or unsplit + 4 * num_sms(device)
         if self.max_work < unsplit:
             raise ValueError(f"max_work must be at least {unsplit} (the work of an unsplit batch), got {max_work}")
-        self.max_partial_rows = max_partial_rows if max_partial_rows is not None else 8 * max_tokens
+        max_partial_rows = max_partial_rows if max_partial_rows is not None else 8 * max_tokens
         self.limits = {"batch size": max_batch, "query rows": max_tokens, "rows per request": max_qo_len,
                        "tree nodes": max_tree_nodes, "page ids": max_pages}
         i32 = {"dtype": torch.int32, "device": device}
         self.partition = WorkPartition(
             tiles=tiles,
-            requests=torch.zeros(max_batch, 8, **i32),
-            work=torch.zeros(self.max_work, 5, **i32),
-            counts=torch.zeros(2, **i32),
+            requests=torch.zeros(max_batch, len(RequestColumn), **i32),
+            work=torch.zeros(self.max_work, len(WorkColumn), **i32),
+            counts=torch.zeros(len(CountColumn), **i32),
             token_request=torch.zeros(max_tokens, **i32),
             tree_order=torch.zeros(max(1, max_tree_nodes), 2, **i32),
             page_indices=torch.zeros(max(1, max_pages), **i32),
-            o_part=torch.empty(self.max_partial_rows, num_q_heads, tiles.block_d, dtype=torch.float32, device=device),
-            lse_part=torch.empty(self.max_partial_rows, num_q_heads, dtype=torch.float32, device=device),
-            grid_work=self.max_work, grid_tokens=max_tokens, launch_merge=True, chunk=0)
-        self._rope: dict = {}
+            partial_rows=max_partial_rows, grid_work=self.max_work, grid_tokens=max_tokens, launch_merge=True,
+            chunk=0)
+        self.plan: TreeAttentionPlan | None = None
+        self.chunk = 0  # KV chunk length of the bound batch's split requests (0: none split)
 
     def _check(self, plan: TreeAttentionPlan) -> None:
         pages = 0 if plan.page_indices_host is None else plan.page_indices_host.shape[0]
@@ -72,41 +76,46 @@ class GraphEnvelope:
         for what, size in sizes.items():
             if size > self.limits[what]:
                 raise ValueError(f"plan has {size} {what}, more than this GraphEnvelope holds ({self.limits[what]})")
-        if plan.device != self.device:
-            raise ValueError(f"plan is on {plan.device}, the envelope on {self.device}")
+        if plan.device != self.spec.device:
+            raise ValueError(f"plan is on {plan.device}, the envelope on {self.spec.device}")
 
-    def bind(self, plan: TreeAttentionPlan) -> WorkPartition:
-        """Load ``plan``'s partition into the static buffers (no sync); also caches it on the plan."""
+    def bind(self, plan: TreeAttentionPlan) -> None:
+        """Load ``plan``'s partition into the static tables (host work plus async copies, no sync)."""
         self._check(plan)
-        part, tiles = self.partition, self.partition.tiles
-        rowblocks = cdiv(plan.qo_lens.astype(np.int64) * self.group, tiles.block_m)
-        chunk = split_chunk(rowblocks, plan.kv_lens.astype(np.int64), self.num_kv_heads, tiles.block_n,
-                            num_sms(self.device))
+        part, tiles, group = self.partition, self.partition.tiles, self.spec.group
+        rowblocks = cdiv(plan.qo_lens.astype(np.int64) * group, tiles.block_m)
+        chunk = split_chunk(rowblocks, plan.kv_lens.astype(np.int64), self.spec.num_kv_heads, tiles.block_n,
+                            num_sms(self.spec.device))
         while True:  # a coarser split until the work list and workspace fit (no split always fits)
-            host = partition_arrays(plan, self.group, tiles, chunk)
-            if chunk == 0 or (host["work"].shape[0] <= self.max_work and host["partial_rows"] <= self.max_partial_rows):
+            host = partition_arrays(plan, group, tiles, chunk)
+            if chunk == 0 or (host["work"].shape[0] <= self.max_work and host["partial_rows"] <= part.partial_rows):
                 break
             chunk = 0 if chunk * 2 >= int(plan.kv_lens.max()) else chunk * 2
-        copy = lambda dst, src: dst[:src.shape[0]].copy_(torch.from_numpy(src), non_blocking=True)  # noqa: E731
+        copy = lambda dst, src: dst[:src.shape[0]].copy_(torch.from_numpy(src), non_blocking=True)
         copy(part.requests, host["requests"])
         copy(part.work, host["work"])
         copy(part.token_request, host["token_request"])
-        copy(part.counts, np.array([host["work"].shape[0], plan.total_q], np.int32))
+        copy(part.counts, host["counts"])
         part.tree_order[:plan.tree_order.shape[0]].copy_(plan.tree_order, non_blocking=True)
         if plan.page_indices is not None:
             part.page_indices[:plan.page_indices.shape[0]].copy_(plan.page_indices, non_blocking=True)
-        part.chunk = chunk
-        plan.cache.setdefault("triton", {})[self.key] = part
-        return part
+        self.plan, self.chunk = plan, chunk if host["any_split"] else 0
 
-    def run_paged(self, q, kv_pages, out, lse, *, sm_scale: float | None = None) -> None:
-        """Paged tree attention on the bound batch; ``q``/``out``/``lse`` may hold more rows than it uses."""
-        run(self.partition, q, kv_pages[:, 0], kv_pages[:, 1], out, lse,
-            sm_scale=sm_scale or 1.0 / math.sqrt(self.head_dim))
+    def _bound(self) -> TreeAttentionPlan:
+        if self.plan is None:
+            raise ValueError("bind(plan) a batch to the GraphEnvelope before running it")
+        return self.plan
+
+    def run_paged(self, q, kv_pages, out, lse, *, sm_scale: float | None = None, kv_layout: str | None = None) -> None:
+        """Paged tree attention on the bound batch (``kv_pages`` as ``PagedKV.wrap`` takes it);
+        ``q``/``out``/``lse`` may hold more rows than the batch uses."""
+        self.backend.paged_tree_attention(q, PagedKV.wrap(kv_pages, kv_layout), self._bound(), self.partition,
+                                          sm_scale=sm_scale or 1.0 / math.sqrt(self.spec.head_dim), out=out, lse=lse)
 
     def run_ragged(self, q, k, v, out, lse, *, sm_scale: float | None = None, rope: RoPE | None = None,
                    q_positions=None, k_positions=None) -> None:
-        """Ragged tree attention on the bound batch (``k_positions`` is required with ``rope``; the
-        roped copies of q and k are allocated on the first call, i.e. the warm-up before capture)."""
-        run(self.partition, q, k, v, out, lse, sm_scale=sm_scale or 1.0 / math.sqrt(self.head_dim), rope=rope,
-            rope_cache=self._rope, q_positions=q_positions, k_positions=k_positions)
+        """Ragged tree attention on the bound batch (``k_positions`` is required with ``rope``)."""
+        if rope is not None:
+            q, k = self.backend.rope(rope, q, q_positions), self.backend.rope(rope, k, k_positions)
+        self.backend.tree_attention(q, k, v, self._bound(), self.partition,
+                                    sm_scale=sm_scale or 1.0 / math.sqrt(self.spec.head_dim), out=out, lse=lse)

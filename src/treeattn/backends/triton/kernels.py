@@ -10,19 +10,44 @@ column and run the ancestor interval test. Scores live in the log2 domain (``log
 
 A work item with ``split >= 0`` covers one chunk of a request's keys and writes a normalised
 fp32 partial state to the workspace; ``merge_splits_kernel`` combines the chunks by LSE.
-Work lists are padded for CUDA graphs: programs past ``counts[0]`` exit at once.
+Work lists are padded for CUDA graphs: programs past ``counts[WORK_ITEMS]`` exit at once.
 
-Launched through ``launch.py`` (which checks that triton was imported in the mode
-``TRITON_INTERPRET`` asks for); ``aot.py`` compiles it for sm_80/sm_90 without a GPU.
+K and V are read in place through their own element strides ``(page, token, head)``: every
+engine's page layout (TVM's combined pages, NHD, HND, views into a bigger buffer) and ragged
+tensors (page stride unused) take the same code, with no copy. When K and V share their strides
+(every layout but a V allocated unlike K), ``SAME_KV_STRIDES`` computes the addresses once for
+both: a second address computation costs registers (spills on sm_90's 128-row tiles).
+
+Launched through ``launch.py`` (whose ``*_launch`` functions hold every kernel's argument list,
+and which checks that triton was imported in the mode ``TRITON_INTERPRET`` asks for); ``aot.py``
+compiles them for sm_80/sm_90 without a GPU.
 """
 
 import triton
 import triton.language as tl
 
-EMPTY_LSE = tl.constexpr(-5e4)  # LSE of a row with no keys (= treeattn.lse.EMPTY_LSE)
-# Tables (built in dispatch.py): requests [B, 8] = q_start, qo_len, kv_start (ragged) or page_start
-# (paged), kv_len, tree_start, tree_size, num_splits, part_start; work [items, 5] = request,
-# first row, kv_lo, kv_hi, split index (-1: not split); counts [2] = live items, live tokens.
+from ...lse import EMPTY_LSE as _EMPTY_LSE
+from .tables import CountColumn, RequestColumn, WorkColumn
+
+EMPTY_LSE = tl.constexpr(_EMPTY_LSE)
+# Table columns (tables.py) as compile-time constants.
+REQUEST_COLUMNS = tl.constexpr(len(RequestColumn))
+R_Q_START = tl.constexpr(RequestColumn.Q_START.value)
+R_QO_LEN = tl.constexpr(RequestColumn.QO_LEN.value)
+R_KV_START = tl.constexpr(RequestColumn.KV_START.value)
+R_KV_LEN = tl.constexpr(RequestColumn.KV_LEN.value)
+R_TREE_START = tl.constexpr(RequestColumn.TREE_START.value)
+R_TREE_SIZE = tl.constexpr(RequestColumn.TREE_SIZE.value)
+R_SPLITS = tl.constexpr(RequestColumn.SPLITS.value)
+R_PART_START = tl.constexpr(RequestColumn.PART_START.value)
+WORK_COLUMNS = tl.constexpr(len(WorkColumn))
+W_REQUEST = tl.constexpr(WorkColumn.REQUEST.value)
+W_FIRST_ROW = tl.constexpr(WorkColumn.FIRST_ROW.value)
+W_KV_LO = tl.constexpr(WorkColumn.KV_LO.value)
+W_KV_HI = tl.constexpr(WorkColumn.KV_HI.value)
+W_SPLIT = tl.constexpr(WorkColumn.SPLIT.value)
+C_WORK_ITEMS = tl.constexpr(CountColumn.WORK_ITEMS.value)
+C_TOKENS = tl.constexpr(CountColumn.TOKENS.value)
 
 
 @triton.jit
@@ -61,12 +86,14 @@ def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, num_rows, num_heads, stride_x
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, enter_row, tree_kv_start, tree_start,
-                 k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_indices_ptr, page_log2,
-                 tree_order_ptr, qk_scale, MASKED: tl.constexpr, PAGED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+def _attend_tile(acc, m_i, l_i, q, start, kv_hi, kv_start, offs_d, enter_row, tree_kv_start, tree_start,
+                 k_head_ptr, v_head_ptr, stride_kp, stride_kt, stride_vp, stride_vt, page_indices_ptr,
+                 page_log2, tree_order_ptr, qk_scale, MASKED: tl.constexpr, PAGED: tl.constexpr,
+                 SAME_KV_STRIDES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 FP32_DOT: tl.constexpr):
     """One KV tile of the online softmax. ``MASKED=False`` is the fast path for full prefix tiles:
-    no column bound and no tree test."""
+    no column bound and no tree test. ``k_head_ptr``/``v_head_ptr`` point at the program's KV head
+    (of token 0 of page 0)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     col_ok = offs_n < kv_hi
     if MASKED:
@@ -78,15 +105,21 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, ente
             page = tl.load(page_indices_ptr + kv_start + (offs_n >> page_log2), mask=col_ok, other=0)
         else:
             page = tl.load(page_indices_ptr + kv_start + (offs_n >> page_log2))
-        row_off = page.to(tl.int64) * stride_page + (offs_n & ((1 << page_log2) - 1)).to(tl.int64) * stride_kt
-        k_off = row_off[:, None] + kv_head * stride_kh + offs_d[None, :]
-        v_off = k_off  # the K and V halves of a page share their layout
+        page = page.to(tl.int64)
+        token = (offs_n & ((1 << page_log2) - 1)).to(tl.int64)  # offset in its page
+        k_row = page * stride_kp + token * stride_kt
+        v_row = page * stride_vp + token * stride_vt
     else:
-        tokens = (kv_start + offs_n).to(tl.int64)
-        k_off = (tokens * stride_kt)[:, None] + kv_head * stride_kh + offs_d[None, :]
-        v_off = (tokens * stride_vt)[:, None] + kv_head * stride_vh + offs_d[None, :]
-    k = tl.load(k_ptr + k_off, mask=tile_mask, other=0.0)
-    v = tl.load(v_ptr + v_off, mask=tile_mask, other=0.0)
+        token = (kv_start + offs_n).to(tl.int64)
+        k_row = token * stride_kt
+        v_row = token * stride_vt
+    k_off = k_row[:, None] + offs_d[None, :]
+    if SAME_KV_STRIDES:
+        v_off = k_off  # one address computation for both (a second one costs registers: spills on sm_90)
+    else:
+        v_off = v_row[:, None] + offs_d[None, :]
+    k = tl.load(k_head_ptr + k_off, mask=tile_mask, other=0.0)
+    v = tl.load(v_head_ptr + v_off, mask=tile_mask, other=0.0)
     if FP32_DOT:
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -115,28 +148,29 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, ente
 def tree_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     requests_ptr, work_ptr, counts_ptr, tree_order_ptr, page_indices_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_log2, num_q_heads, group,
-    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr,
+    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, page_log2, num_q_heads,
+    group,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if pid >= tl.load(counts_ptr):
+    if pid >= tl.load(counts_ptr + C_WORK_ITEMS):
         return
-    w = work_ptr + pid * 5
-    b = tl.load(w)
-    row0 = tl.load(w + 1)
-    kv_lo = tl.load(w + 2)
-    kv_hi = tl.load(w + 3)
-    split = tl.load(w + 4)
-    r = requests_ptr + b * 8
-    q_start = tl.load(r)
-    qo_len = tl.load(r + 1)
-    kv_start = tl.load(r + 2)
-    kv_len = tl.load(r + 3)
-    tree_start = tl.load(r + 4)
-    tree_size = tl.load(r + 5)
-    part_start = tl.load(r + 7)
+    w = work_ptr + pid * WORK_COLUMNS
+    b = tl.load(w + W_REQUEST)
+    row0 = tl.load(w + W_FIRST_ROW)
+    kv_lo = tl.load(w + W_KV_LO)
+    kv_hi = tl.load(w + W_KV_HI)
+    split = tl.load(w + W_SPLIT)
+    r = requests_ptr + b * REQUEST_COLUMNS
+    q_start = tl.load(r + R_Q_START)
+    qo_len = tl.load(r + R_QO_LEN)
+    kv_start = tl.load(r + R_KV_START)
+    kv_len = tl.load(r + R_KV_LEN)
+    tree_start = tl.load(r + R_TREE_START)
+    tree_size = tl.load(r + R_TREE_SIZE)
+    part_start = tl.load(r + R_PART_START)
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -154,20 +188,22 @@ def tree_attn_kernel(
     has_tree = row_ok & (tree_size > 0)
     enter_row = tl.load(tree_order_ptr + (tree_start + tok + tree_size - qo_len) * 2, mask=has_tree, other=0)
 
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked tile then adds exactly 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     unmasked_end = kv_lo + tl.maximum(tl.minimum(kv_hi, tree_kv_start) - kv_lo, 0) // BLOCK_N * BLOCK_N
     for start in range(kv_lo, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, enter_row, tree_kv_start, tree_start,
-            k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_indices_ptr, page_log2,
-            tree_order_ptr, qk_scale, False, PAGED, HEAD_DIM, BLOCK_N, FP32_DOT)
+            acc, m_i, l_i, q, start, kv_hi, kv_start, offs_d, enter_row, tree_kv_start, tree_start,
+            k_head_ptr, v_head_ptr, stride_kp, stride_kt, stride_vp, stride_vt, page_indices_ptr,
+            page_log2, tree_order_ptr, qk_scale, False, PAGED, SAME_KV_STRIDES, HEAD_DIM, BLOCK_N, FP32_DOT)
     for start in range(unmasked_end, kv_hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, start, kv_hi, kv_start, kv_head, offs_d, enter_row, tree_kv_start, tree_start,
-            k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_indices_ptr, page_log2,
-            tree_order_ptr, qk_scale, True, PAGED, HEAD_DIM, BLOCK_N, FP32_DOT)
+            acc, m_i, l_i, q, start, kv_hi, kv_start, offs_d, enter_row, tree_kv_start, tree_start,
+            k_head_ptr, v_head_ptr, stride_kp, stride_kt, stride_vp, stride_vt, page_indices_ptr,
+            page_log2, tree_order_ptr, qk_scale, True, PAGED, SAME_KV_STRIDES, HEAD_DIM, BLOCK_N, FP32_DOT)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -188,16 +224,16 @@ def merge_splits_kernel(out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, requests_ptr
                         num_q_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Combine a split request's per-chunk states for one token and a block of heads by their LSEs."""
     t = tl.program_id(0)
-    if t >= tl.load(counts_ptr + 1):
+    if t >= tl.load(counts_ptr + C_TOKENS):
         return
     b = tl.load(token_request_ptr + t)
-    r = requests_ptr + b * 8
-    num_splits = tl.load(r + 6)
+    r = requests_ptr + b * REQUEST_COLUMNS
+    num_splits = tl.load(r + R_SPLITS)
     if num_splits <= 1:
         return
-    q_start = tl.load(r)
-    qo_len = tl.load(r + 1)
-    part_start = tl.load(r + 7)
+    q_start = tl.load(r + R_Q_START)
+    qo_len = tl.load(r + R_QO_LEN)
+    part_start = tl.load(r + R_PART_START)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < num_q_heads
@@ -228,22 +264,34 @@ def merge_splits_kernel(out_ptr, lse_ptr, o_part_ptr, lse_part_ptr, requests_ptr
 def merge_state_kernel(out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr, num_rows, num_heads,
                        stride_an, stride_ah, stride_bn, stride_bh, stride_lan, stride_lah, stride_lbn, stride_lbh,
                        HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``merge_state`` over flattened (row, head) pairs: weights ``exp2(lse - max)``, fp32 math."""
+    """``merge_state`` over flattened (row, head) pairs, fp32 math, as ``treeattn.lse.merge`` defines it:
+    weights ``exp2(lse - max)`` over the sides that have keys; a side with no keys (``EMPTY_LSE`` or
+    ``-inf``) weighs 0 whatever the other's LSE and its output is never read into the sum; two empty
+    sides give ``out = 0``, ``lse = EMPTY_LSE``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = rows < num_rows * num_heads
     n = (rows // num_heads).to(tl.int64)
     h = rows % num_heads
-    la = tl.load(lse_a_ptr + n * stride_lan + h * stride_lah, mask=r_ok, other=0.0)
-    lb = tl.load(lse_b_ptr + n * stride_lbn + h * stride_lbh, mask=r_ok, other=0.0)
-    m = tl.maximum(la, lb)
-    wa = tl.exp2(la - m)
-    wb = tl.exp2(lb - m)
+    la = tl.load(lse_a_ptr + n * stride_lan + h * stride_lah, mask=r_ok, other=float("-inf"))
+    lb = tl.load(lse_b_ptr + n * stride_lbn + h * stride_lbh, mask=r_ok, other=float("-inf"))
+    empty_a = (la == EMPTY_LSE) | (la == float("-inf"))
+    empty_b = (lb == EMPTY_LSE) | (lb == float("-inf"))
+    m = tl.maximum(tl.where(empty_a, float("-inf"), la), tl.where(empty_b, float("-inf"), lb))
+    m = tl.where(empty_a & empty_b, 0.0, m)
+    wa = tl.where(empty_a, 0.0, tl.exp2(la - m))
+    wb = tl.where(empty_b, 0.0, tl.exp2(lb - m))
     total = wa + wb
-    mask = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    oa = tl.load(out_a_ptr + (n * stride_an + h * stride_ah)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    ob = tl.load(out_b_ptr + (n * stride_bn + h * stride_bh)[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    merged = oa.to(tl.float32) * (wa / total)[:, None] + ob.to(tl.float32) * (wb / total)[:, None]
+    none = total == 0.0
+    wa = wa / tl.where(none, 1.0, total)
+    wb = wb / tl.where(none, 1.0, total)
+    d_ok = (offs_d < HEAD_DIM)[None, :]
+    oa = tl.load(out_a_ptr + (n * stride_an + h * stride_ah)[:, None] + offs_d[None, :],
+                 mask=(r_ok & (wa > 0.0))[:, None] & d_ok, other=0.0)
+    ob = tl.load(out_b_ptr + (n * stride_bn + h * stride_bh)[:, None] + offs_d[None, :],
+                 mask=(r_ok & (wb > 0.0))[:, None] & d_ok, other=0.0)
+    merged = oa.to(tl.float32) * wa[:, None] + ob.to(tl.float32) * wb[:, None]
     flat = rows.to(tl.int64)
-    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], merged.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + flat, tl.log2(total) + m, mask=r_ok)
+    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], merged.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & d_ok)
+    tl.store(lse_ptr + flat, tl.where(none, EMPTY_LSE, tl.log2(tl.where(none, 1.0, total)) + m), mask=r_ok)

@@ -1,4 +1,10 @@
-"""Kernel launchers: tensors and plain numbers in, kernels launched, nothing allocated or synced.
+"""Launchers: the ``torch.library`` custom ops whose bodies launch the Triton kernels.
+
+The ops take only tensors and numbers (a partition is a Python object, so its device tables
+travel as tensors), write their outputs in place and return nothing; their fake implementations
+do nothing, which is all a tracer needs, so ``torch.compile`` graphs can hold them. Each kernel's
+argument list is written once, in its ``*_launch`` function here (every argument by name,
+constexprs included); the ops launch what it returns and ``aot.py`` compiles from it.
 
 Triton decides at decoration time, from ``TRITON_INTERPRET``, whether ``@triton.jit`` builds
 compiled or interpreted kernels, and that includes its own ``tl.sum``/``tl.max``, which are
@@ -10,89 +16,170 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
+from ...layout import PagedKV
 from ...lse import LOG2E
+from .partition import TileConfig, cdiv, padded_head_dim
 
 MERGE_BLOCK_ROWS = 16  # (row, head) pairs per merge_state program
 MERGE_BLOCK_H = 16  # heads per program of the split merge
 ROPE_BLOCK_ROWS = 16  # (token, head) rows per RoPE program
+SMALL_KERNEL_WARPS = 4  # rope, merge_state and the split merge
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def load_kernels() -> ModuleType:
-    """The kernels module, after checking triton was imported in the mode the environment asks for."""
-    import triton.language as tl
+def mode_mismatch() -> str | None:
+    """Why kernels cannot be built in the mode ``TRITON_INTERPRET`` asks for, or None (never imports triton)."""
+    if "triton.language" not in sys.modules:
+        return None  # triton's first import will follow the environment
+    from triton.language import standard
     from triton.runtime.interpreter import InterpretedFunction
 
-    if isinstance(tl.standard.sum, InterpretedFunction) != interpreting():
-        raise RuntimeError(
-            "TRITON_INTERPRET changed after triton was imported: set TRITON_INTERPRET=1 before the first "
-            "`import triton` (triton compiles its own tl.sum/tl.max for one mode at import time)")
+    if isinstance(standard.sum, InterpretedFunction) != interpreting():
+        return ("TRITON_INTERPRET changed after triton was imported: set TRITON_INTERPRET=1 before the first "
+                "`import triton` (triton builds its own tl.sum/tl.max for one mode at import time)")
+    return None
+
+
+def load_kernels() -> ModuleType:
+    """The kernels module, after checking triton was imported in the mode the environment asks for."""
+    import triton  # noqa: F401  (imported here, in the mode the environment asks for, before the check)
+
+    reason = mode_mismatch()
+    if reason:
+        raise RuntimeError(reason)
     return importlib.import_module(f"{__package__}.kernels")
 
 
-def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, requests: torch.Tensor, work: torch.Tensor,
-                   counts: torch.Tensor, token_request: torch.Tensor, tree_order: torch.Tensor,
-                   page_indices: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, sm_scale: float, block_m: int, block_n: int, block_d: int, num_warps: int,
-                   num_stages: int, fp32_dot: bool, grid_work: int, grid_tokens: int, launch_merge: bool) -> None:
-    """Launch tree attention (plus the split merge). ``k``/``v`` are ``[L, h_kv, d]`` (ragged) or
-    the K and V halves of the pages, ``[P, h_kv, page_size, d]`` (paged)."""
-    kernels = load_kernels()
-    paged = k.dim() == 4
-    num_q_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    if paged:
-        page_log2 = k.shape[2].bit_length() - 1
-        stride_kt, stride_kh, stride_page = k.stride(2), k.stride(1), k.stride(0)
+class Launch(NamedTuple):
+    """One kernel launch: which kernel, its grid, every argument by name, and the compile options."""
+
+    kernel: str  # name of the @triton.jit function in kernels.py
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+    def __call__(self) -> None:
+        if 0 in self.grid:
+            return
+        fn = getattr(load_kernels(), self.kernel)
+        fn[self.grid](**self.args, num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# ---------------------------------------------------------------- argument lists (one per kernel)
+
+
+def attention_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o_part: Tensor, lse_part: Tensor,
+                     requests: Tensor, work: Tensor, counts: Tensor, tree_order: Tensor, page_indices: Tensor, *,
+                     sm_scale: float, page_size: int, tiles: TileConfig, grid_work: int) -> Launch:
+    """``tree_attn_kernel`` over ``grid_work`` work items. ``k``/``v`` are ragged ``[L, h_kv, d]``
+    (``page_size`` 0) or logical pages ``[P, page_size, h_kv, d]`` (``PagedKV.k``/``.v``), any strides."""
+    if page_size:
+        (kp, kt, kh), (vp, vt, vh) = PagedKV.strides(k), PagedKV.strides(v)
     else:
-        stride_kt, stride_kh, stride_page, page_log2 = k.stride(0), k.stride(1), 0, 0
-    stride_vt, stride_vh = (stride_kt, stride_kh) if paged else (v.stride(0), v.stride(1))
-    if grid_work:
-        kernels.tree_attn_kernel[(grid_work, num_kv_heads)](
-            q, k, v, out, lse, o_part, lse_part, requests, work, counts, tree_order, page_indices, sm_scale * LOG2E,
-            q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh, stride_page, page_log2, num_q_heads,
-            num_q_heads // num_kv_heads,
-            HEAD_DIM=head_dim, PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, FP32_DOT=fp32_dot,
-            num_warps=num_warps, num_stages=num_stages,
-        )
-    if launch_merge and grid_tokens:
-        kernels.merge_splits_kernel[(grid_tokens, -(-num_q_heads // MERGE_BLOCK_H))](
-            out, lse, o_part, lse_part, requests, token_request, counts, num_q_heads,
-            HEAD_DIM=head_dim, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=block_d, num_warps=4,
-        )
+        (kp, kt, kh), (vp, vt, vh) = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[-2]
+    args = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, lse_ptr=lse, o_part_ptr=o_part, lse_part_ptr=lse_part,
+        requests_ptr=requests, work_ptr=work, counts_ptr=counts, tree_order_ptr=tree_order,
+        page_indices_ptr=page_indices, qk_scale=sm_scale * LOG2E, stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_kp=kp, stride_kt=kt, stride_kh=kh, stride_vp=vp, stride_vt=vt, stride_vh=vh,
+        page_log2=page_size.bit_length() - 1 if page_size else 0, num_q_heads=num_q_heads,
+        group=num_q_heads // num_kv_heads,
+        HEAD_DIM=q.shape[2], PAGED=bool(page_size), SAME_KV_STRIDES=(kp, kt, kh) == (vp, vt, vh),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, FP32_DOT=tiles.fp32_dot)
+    return Launch("tree_attn_kernel", (grid_work, num_kv_heads), args, tiles.num_warps, tiles.num_stages)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, out: torch.Tensor, *, scale: float,
-         multiplier: float, divide: bool) -> None:
-    """RoPE of ``x [L, H, d]`` at ``positions [L]`` into contiguous ``out`` (same shape and dtype)."""
-    rows = x.shape[0] * x.shape[1]
-    if rows == 0:
-        return
-    head_dim = x.shape[2]
-    load_kernels().rope_kernel[(-(-rows // ROPE_BLOCK_ROWS),)](
-        x, positions, freqs, out, rows, x.shape[1], x.stride(0), x.stride(1), scale, multiplier,
-        HEAD_DIM=head_dim, BLOCK_R=ROPE_BLOCK_ROWS, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
-        ROPE_DIVIDE=divide, num_warps=4,
-    )
+def merge_splits_launch(out: Tensor, lse: Tensor, o_part: Tensor, lse_part: Tensor, requests: Tensor,
+                        token_request: Tensor, counts: Tensor, *, grid_tokens: int) -> Launch:
+    """``merge_splits_kernel``: each split request's chunk states into ``out``/``lse``."""
+    num_q_heads, head_dim = out.shape[1], out.shape[2]
+    args = dict(out_ptr=out, lse_ptr=lse, o_part_ptr=o_part, lse_part_ptr=lse_part, requests_ptr=requests,
+                token_request_ptr=token_request, counts_ptr=counts, num_q_heads=num_q_heads,
+                HEAD_DIM=head_dim, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=padded_head_dim(head_dim))
+    return Launch("merge_splits_kernel", (grid_tokens, cdiv(num_q_heads, MERGE_BLOCK_H)), args, SMALL_KERNEL_WARPS, 1)
 
 
-def merge_state(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
-                out: torch.Tensor, lse: torch.Tensor) -> None:
-    kernels = load_kernels()
+def rope_launch(x: Tensor, positions: Tensor, freqs: Tensor, out: Tensor, *, scale: float, multiplier: float,
+                divide: bool) -> Launch:
+    """``rope_kernel``: ``x [L, H, d]`` (any token/head strides) rotated into contiguous ``out``."""
+    rows, head_dim = x.shape[0] * x.shape[1], x.shape[2]
+    args = dict(x_ptr=x, pos_ptr=positions, freq_ptr=freqs, out_ptr=out, num_rows=rows, num_heads=x.shape[1],
+                stride_xt=x.stride(0), stride_xh=x.stride(1), rope_scale=scale, rope_mult=multiplier,
+                HEAD_DIM=head_dim, BLOCK_R=ROPE_BLOCK_ROWS, BLOCK_D=padded_head_dim(head_dim), ROPE_DIVIDE=divide)
+    return Launch("rope_kernel", (cdiv(rows, ROPE_BLOCK_ROWS),), args, SMALL_KERNEL_WARPS, 1)
+
+
+def merge_state_launch(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Tensor,
+                       lse: Tensor) -> Launch:
+    """``merge_state_kernel`` over every (row, head) pair; inputs with any row/head strides, outputs contiguous."""
     rows, heads, head_dim = out_a.shape
-    if rows * heads == 0:
-        return
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    kernels.merge_state_kernel[(-(-rows * heads // MERGE_BLOCK_ROWS),)](
-        out_a, lse_a, out_b, lse_b, out, lse, rows, heads,
-        out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1),
-        lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
-        HEAD_DIM=head_dim, BLOCK_R=MERGE_BLOCK_ROWS, BLOCK_D=block_d, num_warps=4,
-    )
+    args = dict(out_a_ptr=out_a, lse_a_ptr=lse_a, out_b_ptr=out_b, lse_b_ptr=lse_b, out_ptr=out, lse_ptr=lse,
+                num_rows=rows, num_heads=heads, stride_an=out_a.stride(0), stride_ah=out_a.stride(1),
+                stride_bn=out_b.stride(0), stride_bh=out_b.stride(1), stride_lan=lse_a.stride(0),
+                stride_lah=lse_a.stride(1), stride_lbn=lse_b.stride(0), stride_lbh=lse_b.stride(1),
+                HEAD_DIM=head_dim, BLOCK_R=MERGE_BLOCK_ROWS, BLOCK_D=padded_head_dim(head_dim))
+    return Launch("merge_state_kernel", (cdiv(rows * heads, MERGE_BLOCK_ROWS),), args, SMALL_KERNEL_WARPS, 1)
+
+
+# ---------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("treeattn::triton_tree_attention", mutates_args=("out", "lse"))
+def tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sm_scale: float, page_size: int,
+    requests: Tensor, work: Tensor, counts: Tensor, token_request: Tensor, tree_order: Tensor, page_indices: Tensor,
+    block_m: int, block_n: int, block_d: int, num_warps: int, num_stages: int, fp32_dot: bool, partial_rows: int,
+    grid_work: int, grid_tokens: int, launch_merge: bool,
+) -> None:
+    """Tree attention over a work partition (its tables and sizes are ``WorkPartition.op_args``),
+    then the merge of split requests. ``k``/``v`` as in ``attention_launch``."""
+    if launch_merge:  # per run, not in the shared partition: concurrent runs must not share a workspace
+        o_part = torch.empty(partial_rows, q.shape[1], block_d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(partial_rows, q.shape[1], dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = lse  # never written (no split item); the kernel just needs fp32 pointers
+    tiles = TileConfig(block_m, block_n, block_d, num_warps, num_stages, fp32_dot)
+    attention_launch(q, k, v, out, lse, o_part, lse_part, requests, work, counts, tree_order, page_indices,
+                     sm_scale=sm_scale, page_size=page_size, tiles=tiles, grid_work=grid_work)()
+    if launch_merge:
+        merge_splits_launch(out, lse, o_part, lse_part, requests, token_request, counts, grid_tokens=grid_tokens)()
+
+
+@tree_attention.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("treeattn::triton_rope", mutates_args=("out",))
+def rope(x: Tensor, positions: Tensor, freqs: Tensor, out: Tensor, scale: float, multiplier: float,
+         divide: bool) -> None:
+    """TVM-formula rotate-half RoPE of ``x [L, H, d]`` into ``out`` (``freqs`` from ``RoPE.frequencies``)."""
+    rope_launch(x, positions, freqs, out, scale=scale, multiplier=multiplier, divide=divide)()
+
+
+@rope.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("treeattn::triton_merge_state", mutates_args=("out", "lse"))
+def merge_state(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Base-2 LSE merge of two partial attention states into ``out``/``lse``."""
+    merge_state_launch(out_a, lse_a, out_b, lse_b, out, lse)()
+
+
+@merge_state.register_fake
+def _(*args, **kwargs) -> None:
+    return None

@@ -1,11 +1,13 @@
 """Host side of the Triton backend: tile choice, the split-KV heuristic and the work partition.
 
-Everything here runs once per plan (``plan.cache["triton"]``) from the plan's host arrays, so a
-run only launches kernels: no host synchronisation and, once the workspace exists, no allocation.
+``build_partition`` runs once per plan (``TritonBackend.plan``) from the plan's host arrays, so a
+run only launches kernels: no host synchronisation. The partition is immutable and holds no
+scratch memory (the split workspace is allocated per run), so layers on several threads may share it.
 
 Work list: one item per (request, block of ``BLOCK_M`` GQA-packed query rows, KV chunk), for each
 KV head (grid axis 1). Items of one request and chunk are adjacent, so the row blocks that share
-a KV chunk run side by side and read it from L2 rather than HBM.
+a KV chunk run side by side and read it from L2 rather than HBM. The tables' columns are named in
+``tables.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 import torch
 
 from ...plan import TreeAttentionPlan
+from ..base import AttentionSpec
+from .tables import CountColumn, RequestColumn, WorkColumn
 
 MAX_HEAD_DIM = 256
 MIN_CHUNK = 256  # shortest KV chunk worth a split: below it, writing and merging partials costs more
@@ -36,6 +40,11 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """``BLOCK_D``: the head dim padded to a power of two, at least 16 (the smallest ``tl.dot`` size)."""
+    return max(16, next_pow2(head_dim))
+
+
 def cdiv(a, b):
     return -(-a // b)
 
@@ -46,7 +55,8 @@ def choose_tiles(dtype: torch.dtype, head_dim: int, max_rows: int, *, arch: int 
 
     ``BLOCK_M`` is the rows rounded up to a power of two (at least 16, the smallest ``tl.dot``),
     capped by what the fp32 accumulator leaves in registers. Every choice below is free of register
-    spills in the compiled SASS of both sm_80 and sm_90 (checked by ``aot.py`` over all variants):
+    spills in the compiled SASS of both sm_80 and sm_90 when K and V share their strides (checked
+    by ``aot.py`` over all variants; a V strided unlike K spills on sm_90's 128-row tiles at 64 < d <= 128):
 
     - fp16/bf16, d <= 64: 64-key tiles, 4 warps (8 for 128 rows).
     - fp16/bf16, 64 < d <= 128: 16-32 rows: 32-key tiles, 4 warps; 64-128 rows: 64 keys, 8 warps.
@@ -58,7 +68,7 @@ def choose_tiles(dtype: torch.dtype, head_dim: int, max_rows: int, *, arch: int 
     """
     if head_dim < 1 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head dim {head_dim} is not supported by the triton backend (1..{MAX_HEAD_DIM})")
-    block_d = max(16, next_pow2(head_dim))
+    block_d = padded_head_dim(head_dim)
     rows = max(16, next_pow2(max_rows))
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = 16, 16, 4, 2
@@ -106,24 +116,30 @@ def split_chunk(rowblocks: np.ndarray, kv_lens: np.ndarray, num_kv_heads: int, b
     return cdiv(cdiv(longest, splits), block_n) * block_n
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkPartition:
     """Device int32 tables the kernels read, plus the launch sizes; built once per plan."""
 
     tiles: TileConfig
-    requests: torch.Tensor  # [B, 8]: q_start, qo_len, kv_start|page_start, kv_len, tree_start, tree_size, splits,
-    #                         part_start (first row of its split partials in the workspace)
-    work: torch.Tensor  # [grid_work, 5]: request, first row, kv_lo, kv_hi, split (-1: not split)
-    counts: torch.Tensor  # [2]: live work items, live tokens (programs past them exit)
+    requests: torch.Tensor  # [B, len(RequestColumn)]
+    work: torch.Tensor  # [grid_work, len(WorkColumn)]
+    counts: torch.Tensor  # [len(CountColumn)]
     token_request: torch.Tensor  # [grid_tokens]: request of each query token
     tree_order: torch.Tensor
     page_indices: torch.Tensor
-    o_part: torch.Tensor  # fp32 [partial rows, h_q, BLOCK_D] workspace for split chunks
-    lse_part: torch.Tensor  # fp32 [partial rows, h_q]
+    partial_rows: int  # token rows of the fp32 split workspace a run allocates (0: nothing split)
     grid_work: int
     grid_tokens: int
     launch_merge: bool  # any split (always True in a graph envelope, whose contents change)
-    chunk: int
+    chunk: int  # KV chunk length of split requests (0: none split)
+
+    @property
+    def op_args(self) -> tuple:
+        """The partition as the trailing arguments of ``torch.ops.treeattn.triton_tree_attention``."""
+        t = self.tiles
+        return (self.requests, self.work, self.counts, self.token_request, self.tree_order, self.page_indices,
+                t.block_m, t.block_n, t.block_d, t.num_warps, t.num_stages, t.fp32_dot, self.partial_rows,
+                self.grid_work, self.grid_tokens, self.launch_merge)
 
 
 def num_sms(device: torch.device) -> int:
@@ -140,24 +156,38 @@ def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chu
     splits = np.where((kv > chunk) & (chunk > 0), cdiv(kv, max(chunk, 1)), 1)
     is_split = (splits > 1) & (qo > 0)
     part_rows = np.where(is_split, splits * qo, 0)
-    part_start = np.concatenate([[0], np.cumsum(part_rows)[:-1]]) if batch else np.zeros(0, np.int64)
-    kv_starts = plan.kv_starts if plan.kind == "ragged" else plan.page_starts
-    requests = np.stack([plan.q_starts, qo, kv_starts, kv, plan.tree_starts, plan.tree_sizes, splits, part_start],
-                        axis=1) if batch else np.zeros((0, 8), np.int64)
+
+    requests = np.zeros((batch, len(RequestColumn)), np.int64)
+    requests[:, RequestColumn.Q_START] = plan.q_starts
+    requests[:, RequestColumn.QO_LEN] = qo
+    requests[:, RequestColumn.KV_START] = plan.kv_starts if plan.kind == "ragged" else plan.page_starts
+    requests[:, RequestColumn.KV_LEN] = kv
+    requests[:, RequestColumn.TREE_START] = plan.tree_starts
+    requests[:, RequestColumn.TREE_SIZE] = plan.tree_sizes
+    requests[:, RequestColumn.SPLITS] = splits
+    requests[:, RequestColumn.PART_START] = np.cumsum(part_rows) - part_rows
 
     items = rowblocks * splits
     req = np.repeat(np.arange(batch), items)
     local = np.arange(req.shape[0]) - np.repeat(np.cumsum(items) - items, items)
     split_idx, block = local // rowblocks[req], local % rowblocks[req]
-    kv_lo = np.where(is_split[req], split_idx * chunk, 0)
-    kv_hi = np.where(is_split[req], np.minimum(kv_lo + chunk, kv[req]), kv[req])
-    work = np.stack([req, block * tiles.block_m, kv_lo, kv_hi, np.where(is_split[req], split_idx, -1)], axis=1)
+    work = np.zeros((req.shape[0], len(WorkColumn)), np.int64)
+    work[:, WorkColumn.REQUEST] = req
+    work[:, WorkColumn.FIRST_ROW] = block * tiles.block_m
+    work[:, WorkColumn.KV_LO] = np.where(is_split[req], split_idx * chunk, 0)
+    work[:, WorkColumn.KV_HI] = np.where(is_split[req], np.minimum(work[:, WorkColumn.KV_LO] + chunk, kv[req]),
+                                         kv[req])
+    work[:, WorkColumn.SPLIT] = np.where(is_split[req], split_idx, -1)
+    token_request = np.repeat(np.arange(batch), qo)
+    counts = np.zeros(len(CountColumn), np.int64)
+    counts[CountColumn.WORK_ITEMS], counts[CountColumn.TOKENS] = work.shape[0], token_request.shape[0]
     return {
         "requests": requests.astype(np.int32),
-        "work": work.astype(np.int32).reshape(-1, 5),
-        "token_request": np.repeat(np.arange(batch), qo).astype(np.int32),
-        "partial_rows": np.int64(part_rows.sum()),
-        "any_split": np.bool_(is_split.any()),
+        "work": work.astype(np.int32),
+        "counts": counts.astype(np.int32),
+        "token_request": token_request.astype(np.int32),
+        "partial_rows": int(part_rows.sum()),
+        "any_split": bool(is_split.any()),
     }
 
 
@@ -165,39 +195,42 @@ def max_rows_per_request(plan: TreeAttentionPlan, group: int) -> int:
     return int(plan.qo_lens.max()) * group if plan.batch_size else 1
 
 
-def build_partition(plan: TreeAttentionPlan, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, kv_chunk: int | None = None, tiles: TileConfig | None = None) -> WorkPartition:
-    """The work partition of ``plan`` for these head counts and dtype.
+def plan_tiles(spec: AttentionSpec, max_rows: int) -> TileConfig:
+    """``choose_tiles`` for ``spec`` on its device (Hopper's tiles under the interpreter)."""
+    return choose_tiles(spec.dtype, spec.head_dim, max_rows, arch=device_arch(spec.device),
+                        interpret=spec.device.type == "cpu")
+
+
+def build_partition(plan: TreeAttentionPlan, spec: AttentionSpec, *, kv_chunk: int | None = None,
+                    tiles: TileConfig | None = None) -> WorkPartition:
+    """The work partition of ``plan`` for the heads, head dim and dtype of ``spec``.
 
     ``kv_chunk`` overrides the split heuristic (0: never split; > 0: that chunk length, rounded
     up to a multiple of ``BLOCK_N``), mainly for tests; ``tiles`` overrides the tile choice.
     """
-    group = num_q_heads // num_kv_heads
-    device = plan.device
+    group, device = spec.group, plan.device
     if tiles is None:
-        tiles = choose_tiles(dtype, head_dim, max_rows_per_request(plan, group), arch=device_arch(device),
-                             interpret=device.type == "cpu")
+        tiles = plan_tiles(spec, max_rows_per_request(plan, group))
     if kv_chunk is None:
         rowblocks = cdiv(plan.qo_lens.astype(np.int64) * group, tiles.block_m)
-        chunk = split_chunk(rowblocks, plan.kv_lens.astype(np.int64), num_kv_heads, tiles.block_n, num_sms(device))
+        chunk = split_chunk(rowblocks, plan.kv_lens.astype(np.int64), spec.num_kv_heads, tiles.block_n,
+                            num_sms(device))
     else:
         chunk = cdiv(int(kv_chunk), tiles.block_n) * tiles.block_n
     host = partition_arrays(plan, group, tiles, chunk)
-    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    parts = int(host["partial_rows"])
+    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
     return WorkPartition(
         tiles=tiles,
         requests=to_dev(host["requests"]),
         work=to_dev(host["work"]),
-        counts=to_dev(np.array([host["work"].shape[0], host["token_request"].shape[0]], np.int32)),
+        counts=to_dev(host["counts"]),
         token_request=to_dev(host["token_request"]),
         tree_order=_non_empty(plan.tree_order, device),
         page_indices=_non_empty(plan.page_indices, device),
-        o_part=torch.empty(parts, num_q_heads, tiles.block_d, dtype=torch.float32, device=device),
-        lse_part=torch.empty(parts, num_q_heads, dtype=torch.float32, device=device),
+        partial_rows=host["partial_rows"],
         grid_work=host["work"].shape[0],
         grid_tokens=host["token_request"].shape[0],
-        launch_merge=bool(host["any_split"]),
+        launch_merge=host["any_split"],
         chunk=chunk if host["any_split"] else 0,
     )
 
@@ -205,27 +238,3 @@ def build_partition(plan: TreeAttentionPlan, *, num_q_heads: int, num_kv_heads: 
 def _non_empty(index: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """Kernels take a pointer even to an absent or empty index array; give them a real one."""
     return index if index is not None and index.numel() else torch.zeros(2, dtype=torch.int32, device=device)
-
-
-def partition_key(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple:
-    return (num_q_heads, num_kv_heads, head_dim, dtype)
-
-
-def get_partition(plan: TreeAttentionPlan, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype) -> WorkPartition:
-    """The cached partition of ``plan`` (built on first use; later layers reuse it)."""
-    cache = plan.cache.setdefault("triton", {})
-    key = partition_key(num_q_heads, num_kv_heads, head_dim, dtype)
-    if key not in cache:
-        cache[key] = build_partition(plan, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                     dtype=dtype)
-    return cache[key]
-
-
-def prepare(plan: TreeAttentionPlan, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-            kv_chunk: int | None = None) -> WorkPartition:
-    """Build (or rebuild with a forced ``kv_chunk``) and cache the partition the next run will use."""
-    part = build_partition(plan, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           dtype=dtype, kv_chunk=kv_chunk)
-    plan.cache.setdefault("triton", {})[partition_key(num_q_heads, num_kv_heads, head_dim, dtype)] = part
-    return part
