@@ -37,7 +37,7 @@ def register() -> None:
     if current_platform.is_cpu():
         member, cls = AttentionBackendEnum.CPU_ATTN, "TreeAttentionCPUBackend"
     elif current_platform.is_cuda():
-        member, cls = AttentionBackendEnum.CUSTOM, "TreeAttentionTritonBackend"
+        member, cls = AttentionBackendEnum.CUSTOM, "TreeAttentionCUDABackend"
     else:
         logger.warning("%s=1, but treeattn has no vLLM backend for the %s platform; vLLM's attention is unchanged",
                        ENV_VAR, current_platform.device_name)

@@ -83,9 +83,11 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens)
 
 
-class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
-    backend: ClassVar[str] = "cpu"  # treeattn's kernel backend
+# treeattn's kernels for the device type of vLLM's tensors.
+KERNELS = {"cpu": "cpu", "cuda": "triton"}
 
+
+class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -104,7 +106,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        logger.info_once("Using treeattn attention backend (treeattn backend=%r).", self.backend)
+        logger.info_once("Using treeattn attention backend.")
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -127,7 +129,7 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         # Index arrays None: the plan's own (built once per step by the builder).
         paged_tree_attention(query[:rows], None, split_kv_cache(kv_cache), None, None, None, None, None,
                              kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows],
-                             backend=self.backend)
+                             backend=KERNELS[query.device.type])
         return output
 
 
@@ -146,9 +148,9 @@ class TreeAttentionBackend(AttentionBackend):
     def get_builder_cls() -> type[TreeAttentionMetadataBuilder]:
         return TreeAttentionMetadataBuilder
 
-
-class TreeAttentionCPUImpl(TreeAttentionImpl):
-    backend = "cpu"
+    @staticmethod
+    def get_impl_cls() -> type[TreeAttentionImpl]:
+        return TreeAttentionImpl
 
 
 class TreeAttentionCPUBackend(TreeAttentionBackend):
@@ -158,22 +160,10 @@ class TreeAttentionCPUBackend(TreeAttentionBackend):
     def get_name() -> str:
         return "CPU_ATTN"
 
-    @staticmethod
-    def get_impl_cls() -> type[TreeAttentionImpl]:
-        return TreeAttentionCPUImpl
 
-
-class TreeAttentionTritonImpl(TreeAttentionImpl):
-    backend = "triton"
-
-
-class TreeAttentionTritonBackend(TreeAttentionBackend):
-    """Registered as ``CUSTOM`` on CUDA: chosen with ``attention_backend="CUSTOM"``."""
+class TreeAttentionCUDABackend(TreeAttentionBackend):
+    """Registered as ``CUSTOM`` on CUDA (``attention_backend="CUSTOM"``); runs the Triton kernels."""
 
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"
-
-    @staticmethod
-    def get_impl_cls() -> type[TreeAttentionImpl]:
-        return TreeAttentionTritonImpl
