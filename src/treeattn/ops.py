@@ -162,7 +162,7 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
                                         total_q=q.shape[0], total_kv=k.shape[0], device=q.device)
     else:
         _check_plan(plan, "ragged")
-        if plan.device != q.device or plan.total_q != q.shape[0] or int(plan.kv_lens.sum()) != k.shape[0]:
+        if plan.device != q.device or plan.total_q != q.shape[0] or plan.total_kv != k.shape[0]:
             raise ValueError("plan was built for a different batch: its lengths or device do not match q/k")
         plan.check_inputs(q_indptr=q_indptr, kv_indptr=kv_indptr, tree_indptr=tree_indptr, tree_order=tree_order)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[2])

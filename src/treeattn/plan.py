@@ -145,9 +145,13 @@ class TreeAttentionPlan:
     def batch_size(self) -> int:
         return int(self.qo_lens.shape[0])
 
-    @property
+    @cached_property
     def total_q(self) -> int:
         return int(self.qo_lens.sum())
+
+    @cached_property
+    def total_kv(self) -> int:
+        return int(self.kv_lens.sum())
 
     @staticmethod
     def _trees(q_host, tree_indptr, tree_order, device, kv_lens) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
