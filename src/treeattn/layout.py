@@ -20,11 +20,12 @@ the same addressing as three element strides per tensor (``PagedKV.strides``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["KV_LAYOUTS", "PagedKV", "slots"]
+__all__ = ["KV_LAYOUTS", "PagedKV", "SlotIndex", "slots"]
 
 KV_LAYOUTS = ("TVM", "NHD", "HND")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,6 +34,18 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 def slots(page_table: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
     """Slot ``page * page_size + offset`` of each token position of a request whose pages are ``page_table``."""
     return page_table[positions // page_size] * page_size + positions % page_size
+
+
+class SlotIndex(NamedTuple):
+    """Slots as ``(page, offset)`` index tensors on the pages' device: compute once, read or write every layer."""
+
+    page: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def of(cls, slot_ids, page_size: int, device: torch.device | str) -> SlotIndex:
+        s = torch.as_tensor(np.asarray(slot_ids, dtype=np.int64)).to(device)
+        return cls(s // page_size, s % page_size)
 
 
 def _check_pages(x, name: str, ndim: int) -> torch.Tensor:
@@ -137,17 +150,16 @@ class PagedKV:
 
     # ------------------------------------------------------------------ tokens by slot
 
-    def _index(self, slot_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.as_tensor(np.asarray(slot_ids, dtype=np.int64)).to(self.device)
-        return s // self.page_size, s % self.page_size
+    def _index(self, slots_) -> SlotIndex:
+        return slots_ if isinstance(slots_, SlotIndex) else SlotIndex.of(slots_, self.page_size, self.device)
 
     def read(self, slot_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the tokens in ``slot_ids``: ``k [n, h_kv, d]``, ``v [n, h_kv, d_v]``."""
+        """Copies of the tokens in ``slot_ids`` (slot ids or a ``SlotIndex``): ``k [n, h_kv, d]``, ``v [n, h_kv, d_v]``."""
         page, offset = self._index(slot_ids)
         return self.k[page, offset], self.v[page, offset]
 
     def write(self, slot_ids, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k [n, h_kv, d]`` and ``v [n, h_kv, d_v]`` into ``slot_ids``, in place."""
+        """Store ``k [n, h_kv, d]`` and ``v [n, h_kv, d_v]`` into ``slot_ids`` (or a ``SlotIndex``), in place."""
         page, offset = self._index(slot_ids)
         self.k.index_put_((page, offset), k)
         if not self.shares_storage():
