@@ -92,23 +92,42 @@ struct Group {
   float* part_o;  // [count][rows][dv] partial outputs, then [count][rows] LSEs; null when count == 1
 };
 
-// Softmax-weighted merge of a group's partial results into out/lse (base-2 LSEs).
-void merge_group(const Problem& p, const Group& g) {
+// A part with no keys (treeattn.lse.is_empty): TVM's sentinel or -inf. It gets weight 0 in a merge
+// whatever its output holds, since a real LSE may lie below the sentinel.
+inline bool is_empty(float lse) { return lse == EMPTY_LSE || lse == -INFINITY; }
+
+// Softmax weights 2^(lse_c - max) of `count` parts (stride apart) into `w`, normalised; returns the
+// merged LSE (EMPTY_LSE, all weights 0, when every part is empty). This is treeattn.lse.merge.
+inline float merge_weights(const float* lses, int64_t stride, int64_t count, float* w) {
+  float top = -INFINITY;
+  for (int64_t c = 0; c < count; ++c)
+    if (!is_empty(lses[c * stride])) top = std::max(top, lses[c * stride]);
+  float total = 0.0f;
+  for (int64_t c = 0; c < count; ++c) {
+    w[c] = is_empty(lses[c * stride]) ? 0.0f : std::exp2(lses[c * stride] - top);
+    total += w[c];
+  }
+  if (total == 0.0f) return EMPTY_LSE;
+  for (int64_t c = 0; c < count; ++c) w[c] /= total;
+  return top + std::log2(total);
+}
+
+// Merge a split group's partial results into out/lse.
+void merge_group(const Problem& p, const Group& g, std::vector<float>& w) {
   const int64_t rows = (g.t1 - g.t0) * p.group, dv = p.dv;
   const float* lses = g.part_o + g.count * rows * dv;
+  w.resize(size_t(g.count));
   for (int64_t r = 0; r < rows; ++r) {
-    float top = EMPTY_LSE;
-    for (int64_t c = 0; c < g.count; ++c) top = std::max(top, lses[c * rows + r]);
+    const float lse = merge_weights(lses + r, rows, g.count, w.data());
     const int64_t t = p.q_starts[g.b] + g.t0 + r / p.group, head = g.h * p.group + r % p.group;
     const int64_t off = t * p.o_row + head * p.o_head;
-    float total = 0.0f;
-    for (int64_t c = 0; c < g.count; ++c) total += std::exp2(lses[c * rows + r] - top);
     for (int64_t e = 0; e < dv; ++e) {
       float acc = 0.0f;
-      for (int64_t c = 0; c < g.count; ++c) acc += std::exp2(lses[c * rows + r] - top) * g.part_o[(c * rows + r) * dv + e];
-      store_value(p, off + e, top == EMPTY_LSE ? 0.0f : acc / total);
+      for (int64_t c = 0; c < g.count; ++c)
+        if (w[c] > 0.0f) acc += w[c] * g.part_o[(c * rows + r) * dv + e];
+      store_value(p, off + e, acc);
     }
-    p.lse[t * p.l_row + head * p.l_head] = top == EMPTY_LSE ? EMPTY_LSE : top + std::log2(total);
+    p.lse[t * p.l_row + head * p.l_head] = lse;
   }
 }
 
@@ -178,20 +197,20 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[groups.size()]);
   for (size_t gi = 0; gi < groups.size(); ++gi) left[gi] = groups[gi].count;
   const int64_t n_items = int64_t(items.size()), floats = scratch_floats(p);
-  auto work = [&](float* scratch, int64_t i) {
+  auto work = [&](float* scratch, std::vector<float>& weights, int64_t i) {
     fn(p, items[i], scratch);
     const Group& g = groups[owner[i]];
-    if (g.count > 1 && left[owner[i]].fetch_sub(1) == 1) merge_group(p, g);
+    if (g.count > 1 && left[owner[i]].fetch_sub(1) == 1) merge_group(p, g, weights);
   };
   if (!parallel) {
-    std::vector<float> scratch(size_t(floats) + LANES);
-    for (int64_t i = 0; i < n_items; ++i) work(scratch.data(), i);
+    std::vector<float> scratch(size_t(floats) + LANES), weights;
+    for (int64_t i = 0; i < n_items; ++i) work(scratch.data(), weights, i);
     return;
   }
   std::atomic<int64_t> next{0};  // items are taken dynamically: uneven requests still balance
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(size_t(floats) + LANES);
-    for (int64_t i = next++; i < n_items; i = next++) work(scratch.data(), i);
+    std::vector<float> scratch(size_t(floats) + LANES), weights;
+    for (int64_t i = next++; i < n_items; i = next++) work(scratch.data(), weights, i);
   });
 }
 
@@ -274,11 +293,16 @@ void merge_typed(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b,
   float* so = lse.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float top = std::max(sa[r], sb[r]), wa = std::exp2(sa[r] - top), wb = std::exp2(sb[r] - top);
-      const float total = wa + wb, ca = wa / total, cb = wb / total;
-      for (int64_t e = 0; e < d; ++e)
-        po[r * d + e] = static_cast<T>(ca * static_cast<float>(pa[r * d + e]) + cb * static_cast<float>(pb[r * d + e]));
-      so[r] = top + std::log2(total);
+      const float parts[2] = {sa[r], sb[r]};
+      float w[2];
+      const float merged = merge_weights(parts, 1, 2, w);
+      for (int64_t e = 0; e < d; ++e) {
+        float acc = 0.0f;  // a part of weight 0 adds nothing, even a NaN
+        if (w[0] > 0.0f) acc += w[0] * static_cast<float>(pa[r * d + e]);
+        if (w[1] > 0.0f) acc += w[1] * static_cast<float>(pb[r * d + e]);
+        po[r * d + e] = static_cast<T>(acc);
+      }
+      so[r] = merged;
     }
   });
 }
