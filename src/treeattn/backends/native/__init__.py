@@ -21,6 +21,7 @@ from ..base import AttentionSpec, Backend
 from .build import EXTENSION, Extension
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_GROUP = 256  # ROW_BLOCK in csrc/problem.h: a work item holds whole query tokens
 
 
 class _State(NamedTuple):
@@ -50,6 +51,8 @@ class NativeBackend(Backend):
             return f"runs on the CPU only, got {spec.device}"
         if spec.dtype not in _DTYPES:
             return f"needs float32, float16 or bfloat16, got {spec.dtype}"
+        if spec.group > _MAX_GROUP:
+            return f"at most {_MAX_GROUP} query heads per KV head, got {spec.group}"
         if self.isa and self.isa not in self.isas():
             return f"kernel path {self.isa!r} is not available on this CPU ({', '.join(self.isas())})"
         return None

@@ -2,11 +2,10 @@
 //
 // Included by each ISA's translation unit inside its own namespace, after it defines `V`. Every
 // computation is vectorised over query rows: Q is packed transposed and pre-scaled (Q^T [d][rows]),
-// so scores S^T[key][rows] = sum_k K[key][k] * Q^T[k][rows] broadcast one key element at a time
-// (K and V are read in place, any layout, through one pointer per key), softmax statistics are
-// plain per-lane vectors, and O^T[dv][rows] += V[key][dv] * P^T[key][rows] the same way. Each KV
-// tile is therefore loaded once for all T x group rows of its head, and no transpose of K or V
-// is ever made.
+// so scores S^T[key][rows] = sum_k K[key][k] * Q^T[k][rows] broadcast one key element at a time,
+// softmax statistics are plain per-lane vectors, and O^T[dv][rows] += V[key][dv] * P^T[key][rows]
+// the same way. K and V are read from any layout (through element strides and the page table) into
+// a contiguous fp32 tile once for all T x group rows of their head; no transpose is ever made.
 
 // ------------------------------------------------------------------ scalar conversions
 static inline float bits_to_float(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
@@ -57,89 +56,77 @@ static inline void store_one(void* base, int32_t dtype, int64_t i, float x) {
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 // ------------------------------------------------------------------ micro-kernels
-// S^T[i][r] for NB keys x RV vectors of rows: NB x RV accumulators, one broadcast key element each.
+// Row-indexed buffers (Q^T, S^T/P^T, masks, O^T) are stored as panels of W = RV x LANES rows: panel
+// [X][W] for X = d, keys or dv, so a micro-kernel's rows are contiguous and stay in L1 (a plain
+// [X][rows] layout puts consecutive X a multiple of 1 KiB apart, and they evict each other).
+
+// S^T panel rows i0 .. i0 + NB: NB keys x RV vectors of accumulators, one broadcast key element each.
 template <int NB, int RV>
-static inline void qk_block(const float* const* kp, const float* qt, int64_t rp, int64_t d, float* s) {
+static inline void qk_block(const float* kt, int64_t d, const float* qt, float* s) {
+  constexpr int W = RV * LANES;
   typename V::T acc[NB][RV];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < RV; ++j) acc[i][j] = V::zero();
   for (int64_t k = 0; k < d; ++k) {
     typename V::T q[RV];
-    for (int j = 0; j < RV; ++j) q[j] = V::load(qt + k * rp + j * LANES);
+    for (int j = 0; j < RV; ++j) q[j] = V::load(qt + k * W + j * LANES);
     for (int i = 0; i < NB; ++i) {
-      const typename V::T b = V::bcast(kp[i] + k);
+      const typename V::T b = V::bcast(kt + i * d + k);
       for (int j = 0; j < RV; ++j) acc[i][j] = V::fma(b, q[j], acc[i][j]);
     }
   }
   for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < RV; ++j) V::store(s + i * rp + j * LANES, acc[i][j]);
+    for (int j = 0; j < RV; ++j) V::store(s + i * W + j * LANES, acc[i][j]);
 }
 
-// O^T[dv0 + i][r] = alpha[r] * O^T[dv0 + i][r] + sum_n V[n][dv0 + i] * P^T[n][r]. MASKED (tree tiles):
+// O^T[c0 + i] = alpha * O^T[c0 + i] + sum_n V[n][c0 + i] * P^T[n] on one panel. MASKED (tree tiles):
 // a key a row cannot see is dropped with a bit mask, so a NaN/inf in it cannot reach the row
 // (0 * NaN would).
 template <int DB, int RV, bool MASKED>
-static inline void pv_block(const float* const* vp, int64_t dv0, const float* p, const float* mask, int64_t rp,
+static inline void pv_block(const float* vt, int64_t dv, int64_t c0, const float* p, const float* mask,
                             int64_t count, const float* alpha, float* ot) {
+  constexpr int W = RV * LANES;
   typename V::T acc[DB][RV];
   for (int j = 0; j < RV; ++j) {
     const typename V::T a = V::load(alpha + j * LANES);
-    for (int i = 0; i < DB; ++i) acc[i][j] = V::mul(V::load(ot + (dv0 + i) * rp + j * LANES), a);
+    for (int i = 0; i < DB; ++i) acc[i][j] = V::mul(V::load(ot + (c0 + i) * W + j * LANES), a);
   }
   for (int64_t n = 0; n < count; ++n) {
     typename V::T pr[RV];
-    for (int j = 0; j < RV; ++j) pr[j] = V::load(p + n * rp + j * LANES);
+    for (int j = 0; j < RV; ++j) pr[j] = V::load(p + n * W + j * LANES);
     for (int i = 0; i < DB; ++i) {
-      const typename V::T b = V::bcast(vp[n] + dv0 + i);
+      const typename V::T b = V::bcast(vt + n * dv + c0 + i);
       for (int j = 0; j < RV; ++j) {
-        if (MASKED) acc[i][j] = V::add(acc[i][j], V::band(V::mul(b, pr[j]), V::load(mask + n * rp + j * LANES)));
+        if (MASKED) acc[i][j] = V::add(acc[i][j], V::band(V::mul(b, pr[j]), V::load(mask + n * W + j * LANES)));
         else acc[i][j] = V::fma(b, pr[j], acc[i][j]);
       }
     }
   }
   for (int j = 0; j < RV; ++j)
-    for (int i = 0; i < DB; ++i) V::store(ot + (dv0 + i) * rp + j * LANES, acc[i][j]);
+    for (int i = 0; i < DB; ++i) V::store(ot + (c0 + i) * W + j * LANES, acc[i][j]);
 }
 
-// Row vectors are taken 3 at a time (12 accumulators with 4 keys / dims), the rest as pairs; a
-// single vector only when there is just one.
-static inline int row_step(int64_t left) { return left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3; }
-
-template <int NB>
-static void qk_rows(const float* const* kp, const float* qt, int64_t rp, int64_t d, float* s) {
-  for (int64_t r = 0; r < rp;) {
-    const int step = row_step((rp - r) / LANES);
-    if (step == 3) qk_block<NB, 3>(kp, qt + r, rp, d, s + r);
-    else if (step == 2) qk_block<NB, 2>(kp, qt + r, rp, d, s + r);
-    else qk_block<NB, 1>(kp, qt + r, rp, d, s + r);
-    r += step * LANES;
-  }
+template <int RV>
+static void qk_panel(const float* kt, int64_t d, int64_t keys, const float* qt, float* s) {
+  for (int64_t i = 0; i < keys; i += KEY_PAD) qk_block<KEY_PAD, RV>(kt + i * d, d, qt, s + i * RV * LANES);
 }
 
-template <int DB, bool MASKED>
-static void pv_rows(const float* const* vp, int64_t dv0, const float* p, const float* mask, int64_t rp,
-                    int64_t count, const float* alpha, float* ot) {
-  for (int64_t r = 0; r < rp;) {
-    const int step = row_step((rp - r) / LANES);
-    if (step == 3) pv_block<DB, 3, MASKED>(vp, dv0, p + r, mask + r, rp, count, alpha + r, ot + r);
-    else if (step == 2) pv_block<DB, 2, MASKED>(vp, dv0, p + r, mask + r, rp, count, alpha + r, ot + r);
-    else pv_block<DB, 1, MASKED>(vp, dv0, p + r, mask + r, rp, count, alpha + r, ot + r);
-    r += step * LANES;
-  }
-}
-
-template <bool MASKED>
-static void pv_all(const float* const* vp, int64_t dv, const float* p, const float* mask, int64_t rp,
-                   int64_t count, const float* alpha, float* ot) {
+template <int RV, bool MASKED>
+static void pv_panel(const float* vt, int64_t dv, const float* p, const float* mask, int64_t count,
+                     const float* alpha, float* ot) {
   int64_t c = 0;
-  for (; c + 4 <= dv; c += 4) pv_rows<4, MASKED>(vp, c, p, mask, rp, count, alpha, ot);
+  for (; c + 4 <= dv; c += 4) pv_block<4, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot);
   switch (dv - c) {
-    case 3: pv_rows<3, MASKED>(vp, c, p, mask, rp, count, alpha, ot); break;
-    case 2: pv_rows<2, MASKED>(vp, c, p, mask, rp, count, alpha, ot); break;
-    case 1: pv_rows<1, MASKED>(vp, c, p, mask, rp, count, alpha, ot); break;
+    case 3: pv_block<3, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot); break;
+    case 2: pv_block<2, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot); break;
+    case 1: pv_block<1, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot); break;
     default: break;
   }
 }
+
+// Panel widths in vectors: 3 at a time (12 accumulators with 4 keys / dims), the rest as pairs; a
+// single vector only when there is just one.
+static inline int64_t panel_vectors(int64_t left) { return left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3; }
 
 // ------------------------------------------------------------------ the work item
 // Element offset of key j (of request b, KV head h) in K or V.
@@ -150,19 +137,24 @@ static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t
   return id * page + (j % p.page_size) * tok + h * head;
 }
 
-// Pointers to `count` fp32 rows of K or V (in place for fp32, else widened into `buf`).
-static void tile_rows(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
-                      const Item& it, int64_t j0, int64_t count, float* buf, const float** rows) {
+// Copy `count` key (or value) rows into a contiguous fp32 tile. Even fp32 rows are copied: in the
+// engines' token-major layouts consecutive keys of one head lie h_kv * d apart (4 KiB for 8 heads of
+// 128), so reading them in place makes every tile row alias the same L1 sets; the copy is d
+// elements per key against 2 x rows x d FMAs.
+static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
+                      const Item& it, int64_t j0, int64_t count, float* tile) {
   for (int64_t i = 0; i < count; ++i) {
     const int64_t off = key_offset(p, it.b, j0 + i, page, tok, head, it.h);
+    float* dst = tile + i * width;
     if (p.dtype == F32) {
-      rows[i] = static_cast<const float*>(base) + off;
+      const float* src = static_cast<const float*>(base) + off;
+      int64_t e = 0;
+      for (; e + LANES <= width; e += LANES) V::store(dst + e, V::load(src + e));
+      for (; e < width; ++e) dst[e] = src[e];
+    } else if (p.dtype == BF16) {
+      V::widen_bf16(static_cast<const uint16_t*>(base) + off, dst, width);
     } else {
-      float* dst = buf + i * width;
-      const uint16_t* src = static_cast<const uint16_t*>(base) + off;
-      if (p.dtype == BF16) V::widen_bf16(src, dst, width);
-      else V::widen_f16(src, dst, width);
-      rows[i] = dst;
+      V::widen_f16(static_cast<const uint16_t*>(base) + off, dst, width);
     }
   }
 }
@@ -181,23 +173,28 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
   int32_t* enter = reinterpret_cast<int32_t*>(alpha + rp);
   float* kbuf = alpha + 2 * rp;
   float* vbuf = kbuf + keys * d;
-  float* zero_row = vbuf + keys * dv;
-  const float* kp[KEY_TILE + KEY_PAD];
-  const float* vp[KEY_TILE + KEY_PAD];
+  // Panel j holds rows [first, first + width); in a buffer of X rows per query row it starts at X * first.
+  int64_t first[ROW_BLOCK / LANES + 2], width[ROW_BLOCK / LANES + 2], panels = 0;
+  for (int64_t r = 0; r < rp; ++panels) {
+    first[panels] = r;
+    width[panels] = panel_vectors((rp - r) / LANES) * LANES;
+    r += width[panels];
+  }
 
   // Q^T, pre-scaled; padding rows are zero and see no tree key (enter -1).
-  for (int64_t r = 0; r < rp; ++r) {
-    const int64_t t = it.t0 + r / group, g = r % group;
-    if (r < rows) {
-      const int64_t off = (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head;
-      for (int64_t k = 0; k < d; ++k) qt[k * rp + r] = load_one(p.q, p.dtype, off + k) * p.scale2;
-      enter[r] = n ? p.tree_order[2 * (p.tree_starts[b] + t + n - qo)] : -1;
-    } else {
-      for (int64_t k = 0; k < d; ++k) qt[k * rp + r] = 0.0f;
-      enter[r] = -1;
+  for (int64_t j = 0; j < panels; ++j)
+    for (int64_t o = 0; o < width[j]; ++o) {
+      const int64_t r = first[j] + o, t = it.t0 + r / group, g = r % group;
+      float* dst = qt + d * first[j] + o;
+      if (r < rows) {
+        const int64_t off = (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head;
+        for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = load_one(p.q, p.dtype, off + k) * p.scale2;
+        enter[r] = n ? p.tree_order[2 * (p.tree_starts[b] + t + n - qo)] : -1;
+      } else {
+        for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = 0.0f;
+        enter[r] = -1;
+      }
     }
-  }
-  for (int64_t i = 0; i < (d > dv ? d : dv); ++i) zero_row[i] = 0.0f;
   for (int64_t r = 0; r < rp; r += LANES) {
     V::store(m + r, V::set1(-__builtin_inff()));
     V::store(l + r, V::zero());
@@ -207,59 +204,80 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += KEY_TILE) {
     const int64_t count = imin(KEY_TILE, it.c1 - j0), padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
-    tile_rows(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, kbuf, kp);
-    tile_rows(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf, vp);
-    for (int64_t i = count; i < padded; ++i) kp[i] = zero_row;
-    for (int64_t i = 0; i < padded; i += KEY_PAD) qk_rows<KEY_PAD>(kp + i, qt, rp, d, s + i * rp);
-
+    pack_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, kbuf);
+    pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf);
+    for (int64_t i = count * d; i < padded * d; ++i) kbuf[i] = 0.0f;  // padding keys: finite scores, never used
     // The ancestor test, only on tiles holding tree keys: key of node a is visible to row of node u
     // iff enter[a] <= enter[u] < exit[a]. Invisible scores are replaced (not offset) by -inf.
     const bool masked = n > 0 && j0 + count > tree_lo;
-    for (int64_t r = 0; r < rp; r += LANES) {
-      typename V::T top = V::set1(-__builtin_inff());
-      for (int64_t i = 0; i < count; ++i) {
-        typename V::T x = V::load(s + i * rp + r);
-        if (masked) {
-          const int64_t node = j0 + i - tree_lo;
-          const typename V::T vis = node < 0 ? V::all_ones()
-                                             : V::visible(enter + r, order[2 * node], order[2 * node + 1]);
-          x = V::select(vis, x, V::set1(-__builtin_inff()));
-          V::store(mask + i * rp + r, vis);
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t w = width[j];
+      float* sp = s + keys * first[j];
+      float* mp = mask + keys * first[j];
+      float* op = ot + dv * first[j];
+      const float* qp = qt + d * first[j];
+      if (w == 3 * LANES) qk_panel<3>(kbuf, d, padded, qp, sp);
+      else if (w == 2 * LANES) qk_panel<2>(kbuf, d, padded, qp, sp);
+      else qk_panel<1>(kbuf, d, padded, qp, sp);
+      for (int64_t o = 0; o < w; o += LANES) {  // online softmax of this panel's rows, a vector at a time
+        const int64_t r = first[j] + o;
+        typename V::T top = V::set1(-__builtin_inff());
+        for (int64_t i = 0; i < count; ++i) {
+          typename V::T x = V::load(sp + i * w + o);
+          if (masked) {
+            const int64_t node = j0 + i - tree_lo;
+            const typename V::T vis = node < 0 ? V::all_ones()
+                                               : V::visible(enter + r, order[2 * node], order[2 * node + 1]);
+            x = V::select(vis, x, V::set1(-__builtin_inff()));
+            V::store(mp + i * w + o, vis);
+          }
+          V::store(sp + i * w + o, x);
+          top = V::max(top, x);
         }
-        V::store(s + i * rp + r, x);
-        top = V::max(top, x);
+        const typename V::T old = V::load(m + r), fresh = V::max(old, top);
+        // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
+        const typename V::T shift = V::select(V::eq(fresh, V::set1(-__builtin_inff())), V::zero(), fresh);
+        const typename V::T a = V::exp2(V::sub(old, shift));
+        typename V::T sum = V::zero();
+        for (int64_t i = 0; i < count; ++i) {
+          const typename V::T e = V::exp2(V::sub(V::load(sp + i * w + o), shift));
+          V::store(sp + i * w + o, e);
+          sum = V::add(sum, e);
+        }
+        V::store(l + r, V::fma(V::load(l + r), a, sum));
+        V::store(m + r, fresh);
+        V::store(alpha + r, a);
       }
-      const typename V::T old = V::load(m + r), fresh = V::max(old, top);
-      // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
-      const typename V::T shift = V::select(V::eq(fresh, V::set1(-__builtin_inff())), V::zero(), fresh);
-      const typename V::T a = V::exp2(V::sub(old, shift));
-      typename V::T sum = V::zero();
-      for (int64_t i = 0; i < count; ++i) {
-        const typename V::T e = V::exp2(V::sub(V::load(s + i * rp + r), shift));
-        V::store(s + i * rp + r, e);
-        sum = V::add(sum, e);
+      const float* ap = alpha + first[j];
+      if (w == 3 * LANES) {
+        if (masked) pv_panel<3, true>(vbuf, dv, sp, mp, count, ap, op);
+        else pv_panel<3, false>(vbuf, dv, sp, mp, count, ap, op);
+      } else if (w == 2 * LANES) {
+        if (masked) pv_panel<2, true>(vbuf, dv, sp, mp, count, ap, op);
+        else pv_panel<2, false>(vbuf, dv, sp, mp, count, ap, op);
+      } else {
+        if (masked) pv_panel<1, true>(vbuf, dv, sp, mp, count, ap, op);
+        else pv_panel<1, false>(vbuf, dv, sp, mp, count, ap, op);
       }
-      V::store(l + r, V::fma(V::load(l + r), a, sum));
-      V::store(m + r, fresh);
-      V::store(alpha + r, a);
     }
-    if (masked) pv_all<true>(vp, dv, s, mask, rp, count, alpha, ot);
-    else pv_all<false>(vp, dv, s, mask, rp, count, alpha, ot);
   }
 
   // Normalise and write (transposing back to rows): the final output, or this chunk's partial result.
-  for (int64_t r = 0; r < rows; ++r) {
-    const float sum = l[r];
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const float lse = sum > 0.0f ? __builtin_log2f(sum) + m[r] : EMPTY_LSE;
-    if (it.part_o) {
-      for (int64_t c = 0; c < dv; ++c) it.part_o[r * dv + c] = ot[c * rp + r] * inv;
-      it.part_lse[r] = lse;
-    } else {
-      const int64_t t = p.q_starts[b] + it.t0 + r / group, head = it.h * group + r % group;
-      const int64_t off = t * p.o_row + head * p.o_head;
-      for (int64_t c = 0; c < dv; ++c) store_one(p.out, p.dtype, off + c, ot[c * rp + r] * inv);
-      p.lse[t * p.l_row + head * p.l_head] = lse;
+  for (int64_t j = 0; j < panels; ++j)
+    for (int64_t o = 0; o < width[j] && first[j] + o < rows; ++o) {
+      const int64_t r = first[j] + o;
+      const float* src = ot + dv * first[j] + o;
+      const float sum = l[r];
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float lse = sum > 0.0f ? __builtin_log2f(sum) + m[r] : EMPTY_LSE;
+      if (it.part_o) {
+        for (int64_t c = 0; c < dv; ++c) it.part_o[r * dv + c] = src[c * width[j]] * inv;
+        it.part_lse[r] = lse;
+      } else {
+        const int64_t t = p.q_starts[b] + it.t0 + r / group, head = it.h * group + r % group;
+        const int64_t off = t * p.o_row + head * p.o_head;
+        for (int64_t c = 0; c < dv; ++c) store_one(p.out, p.dtype, off + c, src[c * width[j]] * inv);
+        p.lse[t * p.l_row + head * p.l_head] = lse;
+      }
     }
-  }
 }

@@ -254,6 +254,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   p.h_kv = k.size(o + 1);
   TORCH_CHECK(p.h_kv > 0 && q.size(1) % p.h_kv == 0, "query heads must be a multiple of KV heads");
   p.group = q.size(1) / p.h_kv;
+  TORCH_CHECK(p.group <= ROW_BLOCK, "native kernel: at most ", ROW_BLOCK, " query heads per KV head, got ", p.group);
   p.d = q.size(2);
   p.dv = v.size(o + 2);
   TORCH_CHECK(k.size(o + 2) == p.d && out.size(2) == p.dv && out.size(1) == q.size(1), "head dims disagree");

@@ -10,7 +10,8 @@ namespace treeattn_native {
 
 enum DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
 
-// Keys per tile, and query rows (packed as row t * group + g) per work item.
+// Keys per tile, and query rows (packed as row t * group + g) per work item: whole query tokens, so a
+// GQA group may not exceed ROW_BLOCK.
 constexpr int64_t KEY_TILE = 64;
 constexpr int64_t ROW_BLOCK = 256;
 // Vector width of every kernel path (8 fp32 lanes), and key padding of a tile for the QK micro-kernel.
@@ -57,14 +58,12 @@ static inline int64_t padded_rows(int64_t rows) { return (rows + LANES - 1) / LA
 
 // Floats of scratch one thread needs for any item of this problem.
 static inline int64_t scratch_floats(const Problem& p) {
-  // An item has at most max(ROW_BLOCK, group) rows (whole query tokens of ROW_BLOCK / group, at least one).
-  const int64_t rp = padded_rows(p.group > ROW_BLOCK ? p.group : ROW_BLOCK), keys = KEY_TILE + KEY_PAD;
+  const int64_t rp = padded_rows(ROW_BLOCK), keys = KEY_TILE + KEY_PAD;
   return p.d * rp           // Q^T
          + 2 * keys * rp    // scores / probabilities, and visibility masks
          + p.dv * rp        // O^T
          + 4 * rp           // m, l, alpha, enter of each row
-         + keys * (p.d + p.dv)  // a tile of K and V rows converted to fp32
-         + (p.d > p.dv ? p.d : p.dv);  // a zero row (padding keys)
+         + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
 }
 
 using ItemFn = void (*)(const Problem&, const Item&, float* scratch);
