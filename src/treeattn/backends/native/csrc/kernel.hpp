@@ -42,18 +42,47 @@ static inline uint16_t float_to_half(float f) {  // round to nearest even
   return uint16_t(sign | (r >> 13));
 }
 
-static inline float load_one(const void* base, int32_t dtype, int64_t i) {
-  if (dtype == F32) return static_cast<const float*>(base)[i];
-  const uint16_t x = static_cast<const uint16_t*>(base)[i];
-  return dtype == BF16 ? bf16_to_float(x) : half_to_float(x);
-}
-
-static inline void store_one(void* base, int32_t dtype, int64_t i, float x) {
-  if (dtype == F32) static_cast<float*>(base)[i] = x;
-  else static_cast<uint16_t*>(base)[i] = dtype == BF16 ? float_to_bf16(x) : float_to_half(x);
-}
-
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// n elements of base (from element offset off) into fp32 dst.
+static inline void load_row(const void* base, int32_t dtype, int64_t off, int64_t n, float* dst) {
+  if (dtype == F32) {
+    const float* src = static_cast<const float*>(base) + off;
+    int64_t e = 0;
+    for (; e + LANES <= n; e += LANES) V::store(dst + e, V::load(src + e));
+    for (; e < n; ++e) dst[e] = src[e];
+  } else if (dtype == BF16) {
+    V::widen_bf16(static_cast<const uint16_t*>(base) + off, dst, n);
+  } else {
+    V::widen_f16(static_cast<const uint16_t*>(base) + off, dst, n);
+  }
+}
+
+// n fp32 values into base (from element offset off), rounded to dtype.
+static inline void store_row(void* base, int32_t dtype, int64_t off, int64_t n, const float* src) {
+  if (dtype == F32) {
+    float* dst = static_cast<float*>(base) + off;
+    for (int64_t e = 0; e < n; ++e) dst[e] = src[e];
+  } else if (dtype == BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(base) + off;
+    for (int64_t e = 0; e < n; ++e) dst[e] = float_to_bf16(src[e]);
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(base) + off;
+    for (int64_t e = 0; e < n; ++e) dst[e] = float_to_half(src[e]);
+  }
+}
+
+// True when every value of the row is finite (0 * x is NaN exactly for inf and NaN).
+static inline bool all_finite(const float* row, int64_t n) {
+  typename V::T acc = V::zero();
+  int64_t e = 0;
+  for (; e + LANES <= n; e += LANES) acc = V::add(acc, V::mul(V::load(row + e), V::zero()));
+  float lanes[LANES], sum = 0.0f;
+  V::store(lanes, acc);
+  for (int i = 0; i < LANES; ++i) sum += lanes[i];
+  for (; e < n; ++e) sum += row[e] * 0.0f;
+  return sum == 0.0f;
+}
 
 // ------------------------------------------------------------------ micro-kernels
 // Row-indexed buffers (Q^T, S^T/P^T, masks, O^T) are stored as panels of W = RV x LANES rows: panel
@@ -143,20 +172,8 @@ static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t
 // elements per key against 2 x rows x d FMAs.
 static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
                       const Item& it, int64_t j0, int64_t count, float* tile) {
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t off = key_offset(p, it.b, j0 + i, page, tok, head, it.h);
-    float* dst = tile + i * width;
-    if (p.dtype == F32) {
-      const float* src = static_cast<const float*>(base) + off;
-      int64_t e = 0;
-      for (; e + LANES <= width; e += LANES) V::store(dst + e, V::load(src + e));
-      for (; e < width; ++e) dst[e] = src[e];
-    } else if (p.dtype == BF16) {
-      V::widen_bf16(static_cast<const uint16_t*>(base) + off, dst, width);
-    } else {
-      V::widen_f16(static_cast<const uint16_t*>(base) + off, dst, width);
-    }
-  }
+  for (int64_t i = 0; i < count; ++i)
+    load_row(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, tile + i * width);
 }
 
 static void run_item(const Problem& p, const Item& it, float* scratch) {
@@ -187,8 +204,8 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
       const int64_t r = first[j] + o, t = it.t0 + r / group, g = r % group;
       float* dst = qt + d * first[j] + o;
       if (r < rows) {
-        const int64_t off = (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head;
-        for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = load_one(p.q, p.dtype, off + k) * p.scale2;
+        load_row(p.q, p.dtype, (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head, d, kbuf);
+        for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = kbuf[k] * p.scale2;
         enter[r] = n ? p.tree_order[2 * (p.tree_starts[b] + t + n - qo)] : -1;
       } else {
         for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = 0.0f;
@@ -208,8 +225,12 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
     pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf);
     for (int64_t i = count * d; i < padded * d; ++i) kbuf[i] = 0.0f;  // padding keys: finite scores, never used
     // The ancestor test, only on tiles holding tree keys: key of node a is visible to row of node u
-    // iff enter[a] <= enter[u] < exit[a]. Invisible scores are replaced (not offset) by -inf.
+    // iff enter[a] <= enter[u] < exit[a]. Invisible scores are replaced (not offset) by -inf, so they
+    // get probability 0; only a non-finite V row of a tree key needs the (slower) bit-masked P x V.
     const bool masked = n > 0 && j0 + count > tree_lo;
+    bool guard = false;
+    for (int64_t i = tree_lo > j0 ? tree_lo - j0 : 0; masked && i < count && !guard; ++i)
+      guard = !all_finite(vbuf + i * dv, dv);
     for (int64_t j = 0; j < panels; ++j) {
       const int64_t w = width[j];
       float* sp = s + keys * first[j];
@@ -250,13 +271,13 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
       }
       const float* ap = alpha + first[j];
       if (w == 3 * LANES) {
-        if (masked) pv_panel<3, true>(vbuf, dv, sp, mp, count, ap, op);
+        if (guard) pv_panel<3, true>(vbuf, dv, sp, mp, count, ap, op);
         else pv_panel<3, false>(vbuf, dv, sp, mp, count, ap, op);
       } else if (w == 2 * LANES) {
-        if (masked) pv_panel<2, true>(vbuf, dv, sp, mp, count, ap, op);
+        if (guard) pv_panel<2, true>(vbuf, dv, sp, mp, count, ap, op);
         else pv_panel<2, false>(vbuf, dv, sp, mp, count, ap, op);
       } else {
-        if (masked) pv_panel<1, true>(vbuf, dv, sp, mp, count, ap, op);
+        if (guard) pv_panel<1, true>(vbuf, dv, sp, mp, count, ap, op);
         else pv_panel<1, false>(vbuf, dv, sp, mp, count, ap, op);
       }
     }
@@ -270,13 +291,13 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
       const float sum = l[r];
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const float lse = sum > 0.0f ? __builtin_log2f(sum) + m[r] : EMPTY_LSE;
+      float* row = it.part_o ? it.part_o + r * dv : vbuf;
+      for (int64_t c = 0; c < dv; ++c) row[c] = src[c * width[j]] * inv;
       if (it.part_o) {
-        for (int64_t c = 0; c < dv; ++c) it.part_o[r * dv + c] = src[c * width[j]] * inv;
         it.part_lse[r] = lse;
       } else {
         const int64_t t = p.q_starts[b] + it.t0 + r / group, head = it.h * group + r % group;
-        const int64_t off = t * p.o_row + head * p.o_head;
-        for (int64_t c = 0; c < dv; ++c) store_one(p.out, p.dtype, off + c, src[c * width[j]] * inv);
+        store_row(p.out, p.dtype, t * p.o_row + head * p.o_head, dv, row);
         p.lse[t * p.l_row + head * p.l_head] = lse;
       }
     }

@@ -41,7 +41,7 @@ struct V {
   TREEATTN_LANEWISE(band, from(bits(a.x[i]) & bits(b.x[i])))
   TREEATTN_LANEWISE(eq, from(a.x[i] == b.x[i] ? 0xffffffffu : 0u))
 #undef TREEATTN_LANEWISE
-  static inline T fma(T a, T b, T c) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = __builtin_fmaf(a.x[i], b.x[i], c.x[i]); return r; }
+  static inline T fma(T a, T b, T c) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = a.x[i] * b.x[i] + c.x[i]; return r; }  // libm's fmaf is a call
   static inline T select(T mask, T a, T b) {
     T r;
     for (int i = 0; i < LANES; ++i) r.x[i] = (bits(mask.x[i]) >> 31) ? a.x[i] : b.x[i];

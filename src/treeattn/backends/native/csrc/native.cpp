@@ -136,6 +136,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   const int64_t threads = at::get_num_threads(), block = std::max<int64_t>(1, ROW_BLOCK / p.group);
   std::vector<Group> groups;
   double flops = 0, keys = 0;
+  int64_t max_rows = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b];
     if (qo == 0) continue;
@@ -151,6 +152,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
       for (int64_t h = 0; h < p.h_kv; ++h) {
         const int64_t t1 = std::min(qo, t0 + block);
         groups.push_back({b, h, t0, t1, 0, 1, nullptr});
+        max_rows = std::max(max_rows, (t1 - t0) * p.group);
         flops += 2.0 * double((t1 - t0) * p.group * kv * (p.d + p.dv));
         keys += double(kv);
       }
@@ -196,21 +198,23 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   // The thread that finishes a split group's last chunk merges it: no second parallel region.
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[groups.size()]);
   for (size_t gi = 0; gi < groups.size(); ++gi) left[gi] = groups[gi].count;
-  const int64_t n_items = int64_t(items.size()), floats = scratch_floats(p);
+  const int64_t n_items = int64_t(items.size()), floats = scratch_floats(p, max_rows) + LANES;
   auto work = [&](float* scratch, std::vector<float>& weights, int64_t i) {
     fn(p, items[i], scratch);
     const Group& g = groups[owner[i]];
     if (g.count > 1 && left[owner[i]].fetch_sub(1) == 1) merge_group(p, g, weights);
   };
   if (!parallel) {
-    std::vector<float> scratch(size_t(floats) + LANES), weights;
-    for (int64_t i = 0; i < n_items; ++i) work(scratch.data(), weights, i);
+    std::unique_ptr<float[]> scratch(new float[size_t(floats)]);  // not zero-filled: every item sets what it reads
+    std::vector<float> weights;
+    for (int64_t i = 0; i < n_items; ++i) work(scratch.get(), weights, i);
     return;
   }
   std::atomic<int64_t> next{0};  // items are taken dynamically: uneven requests still balance
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(size_t(floats) + LANES), weights;
-    for (int64_t i = next++; i < n_items; i = next++) work(scratch.data(), weights, i);
+    std::unique_ptr<float[]> scratch(new float[size_t(floats)]);
+    std::vector<float> weights;
+    for (int64_t i = next++; i < n_items; i = next++) work(scratch.get(), weights, i);
   });
 }
 
@@ -328,6 +332,9 @@ void merge_state(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first");
-  m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch");
-  m.def("merge_state", &treeattn_native::merge_state, "base-2 LSE merge of two partial results");
+  // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
+  m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("merge_state", &treeattn_native::merge_state, "base-2 LSE merge of two partial results",
+        py::call_guard<py::gil_scoped_release>());
 }

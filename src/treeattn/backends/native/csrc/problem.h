@@ -56,9 +56,9 @@ constexpr float EMPTY_LSE = -5e4f;
 
 static inline int64_t padded_rows(int64_t rows) { return (rows + LANES - 1) / LANES * LANES; }
 
-// Floats of scratch one thread needs for any item of this problem.
-static inline int64_t scratch_floats(const Problem& p) {
-  const int64_t rp = padded_rows(ROW_BLOCK), keys = KEY_TILE + KEY_PAD;
+// Floats of scratch one thread needs for items of this problem with at most `rows` query rows.
+static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
+  const int64_t rp = padded_rows(rows), keys = KEY_TILE + KEY_PAD;
   return p.d * rp           // Q^T
          + 2 * keys * rp    // scores / probabilities, and visibility masks
          + p.dv * rp        // O^T
