@@ -170,10 +170,19 @@ static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t
 // engines' token-major layouts consecutive keys of one head lie h_kv * d apart (4 KiB for 8 heads of
 // 128), so reading them in place makes every tile row alias the same L1 sets; the copy is d
 // elements per key against 2 x rows x d FMAs.
+// Also prefetches the same rows of the next tile (up to `end`): in token-major layouts a head's
+// consecutive keys are h_kv * d apart, a stride the hardware prefetchers do not follow far enough.
 static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
-                      const Item& it, int64_t j0, int64_t count, float* tile) {
-  for (int64_t i = 0; i < count; ++i)
+                      const Item& it, int64_t j0, int64_t count, int64_t end, float* tile) {
+  const int64_t bytes = width * (p.dtype == F32 ? 4 : 2);
+  for (int64_t i = 0; i < count; ++i) {
+    if (j0 + KEY_TILE + i < end) {
+      const char* next = static_cast<const char*>(base) +
+                         key_offset(p, it.b, j0 + KEY_TILE + i, page, tok, head, it.h) * (bytes / width);
+      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + c);
+    }
     load_row(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, tile + i * width);
+  }
 }
 
 static void run_item(const Problem& p, const Item& it, float* scratch) {
@@ -221,8 +230,8 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += KEY_TILE) {
     const int64_t count = imin(KEY_TILE, it.c1 - j0), padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
-    pack_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, kbuf);
-    pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf);
+    pack_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, it.c1, kbuf);
+    pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, it.c1, vbuf);
     for (int64_t i = count * d; i < padded * d; ++i) kbuf[i] = 0.0f;  // padding keys: finite scores, never used
     // The ancestor test, only on tiles holding tree keys: key of node a is visible to row of node u
     // iff enter[a] <= enter[u] < exit[a]. Invisible scores are replaced (not offset) by -inf, so they
