@@ -105,6 +105,9 @@ class PagedKV:
         else:
             raise TypeError("kv_pages must be TVM's combined [num_pages, 2, h_kv, page_size, d] tensor or a "
                             f"(k_pages, v_pages) pair, got {type(kv_pages).__name__}")
+        if v.data_ptr() == k.data_ptr() and v.shape[3] > k.shape[3]:
+            raise ValueError(f"v_pages starts where k_pages does (a view of it, as MLA's latent) but has head dim "
+                             f"{v.shape[3]} > k's {k.shape[3]}: a view of K can only take K's first dims")
         if k.shape[1] < 1:
             raise ValueError(f"{'kv_pages' if layout == 'TVM' else 'k_pages'} has page_size 0")
         if k.shape[2] < 1 or k.shape[3] < 1 or v.shape[3] < 1:
@@ -174,6 +177,34 @@ class PagedKV:
         """A request's first ``length`` tokens, read from its ``page_table`` in order (copies)."""
         table = np.asarray(page_table, dtype=np.int64)
         return self.read(slots(table, np.arange(length), self.page_size))
+
+    @staticmethod
+    def gather_heads(x: torch.Tensor, page_ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Copy pages ``page_ids`` of ``x`` (``k`` or ``v``) into ``buf`` (flat, large enough) and return them as
+        ``[h_kv, len(page_ids) * page_size, d]`` with one key stride per head, as a flash kernel reads keys.
+
+        One row gather when the layout allows: a ``[page_size, d]`` slab per (page, head) is contiguous in
+        TVM's and the HND layout, a ``[page_size, h_kv, d]`` block per page in NHD (the result is then
+        token-major). Other strides take a general, slower gather.
+        """
+        _, ps, h, d = x.shape
+        n = page_ids.shape[0]
+        sp, st, sh = PagedKV.strides(x)
+        slab, block = ps * d, ps * h * d
+        if st == d and sp % slab == 0 and sh % slab == 0:
+            rows = x.as_strided((((x.shape[0] - 1) * sp + (h - 1) * sh) // slab + 1, slab), (slab, 1))
+            index = (page_ids[None, :] * (sp // slab) + torch.arange(h)[:, None] * (sh // slab)).reshape(-1)
+            out = buf[:h * n * slab].view(h * n, slab)
+            torch.index_select(rows, 0, index, out=out)
+            return out.view(h, n * ps, d)
+        if sh == d and st == h * d and sp % block == 0:
+            rows = x.as_strided(((x.shape[0] - 1) * sp // block + 1, block), (block, 1))
+            out = buf[:n * block].view(n, block)
+            torch.index_select(rows, 0, page_ids * (sp // block), out=out)
+            return out.view(n * ps, h, d).transpose(0, 1)
+        out = buf[:n * block].view(h, n, ps, d)
+        torch.index_select(x.permute(2, 0, 1, 3), 1, page_ids, out=out)
+        return out.view(h, n * ps, d)
 
     def shares_storage(self) -> bool:
         """True when V is a view of K's own values (MLA: V = the first ``d_v`` dims of the latent K),
