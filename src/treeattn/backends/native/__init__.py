@@ -51,6 +51,8 @@ class NativeBackend(Backend):
             return f"runs on the CPU only, got {spec.device}"
         if spec.dtype not in _DTYPES:
             return f"needs float32, float16 or bfloat16, got {spec.dtype}"
+        if spec.variants:  # not in the kernel yet: dispatch takes the cpu backend for these calls
+            return f"does not run the attention variants yet ({', '.join(spec.variants)})"
         if spec.group > _MAX_GROUP:
             return f"at most {_MAX_GROUP} query heads per KV head, got {spec.group}"
         if self.isa and self.isa not in self.isas():
@@ -68,12 +70,12 @@ class NativeBackend(Backend):
                       pages.cpu().contiguous())
 
     def tree_attention(self, q, k, v, plan, state: _State, *, sm_scale: float, out: torch.Tensor,
-                       lse: torch.Tensor) -> None:
+                       lse: torch.Tensor, sinks: torch.Tensor | None = None) -> None:  # sinks: None (no variants)
         self.extension.module().attention(q, k, v, state.meta, state.order, state.pages, 0, sm_scale, out, lse,
                                           self.isa)
 
     def paged_tree_attention(self, q, kv, plan, state: _State, *, sm_scale: float, out: torch.Tensor,
-                             lse: torch.Tensor) -> None:
+                             lse: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
         self.extension.module().attention(q, kv.k, kv.v, state.meta, state.order, state.pages, kv.page_size,
                                           sm_scale, out, lse, self.isa)
 
