@@ -109,7 +109,7 @@ def main() -> int:
         else f"native-{args.threads}t-{args.clock}"
     lines = [f"# Native CPU kernel benchmark ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", "",
              f"CPU: {info['cpu']}, ISA {', '.join(info['isa'])}; {info['cores']} cores; {args.threads} thread(s); "
-             f"native kernel path `{info['native_isa']}` (first-use build {info['native_build_seconds']} s); "
+             f"native kernel path `{info['native_isa']}` (extension built or loaded in {info['native_build_seconds']} s); "
              f"torch {info['torch']}.",
              f"Load average (1/5/15 min) before {info['load_average_before']}, after {info['load_average_after']}"
              " (other processes shared the cores: compare ratios within a run, not absolute times).",
