@@ -17,8 +17,9 @@ from .base import AttentionSpec, Backend
 __all__ = ["BACKENDS", "AttentionSpec", "Backend", "available_backends", "get_backend", "select"]
 
 # Fastest first: backend=None takes the first capable one that may be picked automatically.
-BACKENDS = ("triton", "cpu", "reference")
+BACKENDS = ("triton", "native", "cpu", "reference")
 _CLASSES = {"triton": ("treeattn.backends.triton", "TritonBackend"),
+            "native": ("treeattn.backends.native", "NativeBackend"),
             "cpu": ("treeattn.backends.cpu", "CpuBackend"),
             "reference": ("treeattn.backends.reference", "ReferenceBackend")}
 _instances: dict[str, Backend] = {}

@@ -84,17 +84,18 @@ def _load_average() -> list[float] | None:
         return None
 
 
-def matmul_peak(dtype: torch.dtype, seconds: float = 1.5) -> float:
-    """Best GFLOP/s of square ``torch.matmul`` (sizes 1024-3072) over about ``seconds``."""
+def matmul_peak(dtype: torch.dtype, seconds: float = 1.5, sizes: tuple[int, ...] = (1024, 2048, 3072),
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Best GFLOP/s of square ``torch.matmul`` (``sizes``) over about ``seconds``, timed by ``clock``."""
     best = 0.0
-    for n in (1024, 2048, 3072):
+    for n in sizes:
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
         a @ b
-        deadline = time.perf_counter() + seconds / 3
+        deadline = time.perf_counter() + seconds / len(sizes)
         while time.perf_counter() < deadline:
-            start = time.perf_counter()
+            start = clock()
             a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - start) / 1e9)
+            best = max(best, 2 * n**3 / max(clock() - start, 1e-9) / 1e9)
     return best
 
 
@@ -128,7 +129,7 @@ class Problem:
                 b.v.transpose(0, 1)[None].contiguous())
 
 
-def _treeattn(p: Problem, paged: bool) -> Callable[[], torch.Tensor]:
+def _treeattn(p: Problem, paged: bool, backend: str = "cpu") -> Callable[[], torch.Tensor]:
     b = p.batch
     out = torch.empty_like(b.q)
     lse = torch.empty(b.q.shape[:2], dtype=torch.float32)
@@ -138,10 +139,10 @@ def _treeattn(p: Problem, paged: bool) -> Callable[[], torch.Tensor]:
                                        b.tree_indptr, b.tree_order, page_size=PAGE_SIZE,
                                        num_pages=e["kv_pages"].shape[0], total_q=p.t)
         return lambda: ops.paged_tree_attention(*b.paged_args(), sm_scale=p.sm_scale, out=out, lse=lse,
-                                                backend="cpu", plan=plan)[0]
+                                                backend=backend, plan=plan)[0]
     plan = TreeAttentionPlan.ragged(b.q_indptr, b.kv_indptr, b.tree_indptr, b.tree_order, total_q=p.t,
                                     total_kv=p.kv_len)
-    return lambda: ops.tree_attention(*b.ragged_args(), sm_scale=p.sm_scale, out=out, lse=lse, backend="cpu",
+    return lambda: ops.tree_attention(*b.ragged_args(), sm_scale=p.sm_scale, out=out, lse=lse, backend=backend,
                                       plan=plan)[0]
 
 
@@ -244,6 +245,8 @@ def build_method(name: str, p: Problem) -> Callable[[], torch.Tensor] | str:
     """The timed callable for ``name``, or a string saying why it does not run here."""
     if name in ("treeattn", "treeattn-paged"):
         return _treeattn(p, paged=name == "treeattn-paged")
+    if name in ("native", "native-paged"):  # the native C++ kernel (bench/native.py)
+        return _treeattn(p, paged=name == "native-paged", backend="native")
     if name == "sdpa-mask":
         return _sdpa_repeat_kv(p)
     if name == "sdpa-gqa":

@@ -1,0 +1,313 @@
+// The tree-attention work item, written once against a vector type `V` of LANES fp32 lanes.
+//
+// Included by each ISA's translation unit inside its own namespace, after it defines `V`. Every
+// computation is vectorised over query rows: Q is packed transposed and pre-scaled (Q^T [d][rows]),
+// so scores S^T[key][rows] = sum_k K[key][k] * Q^T[k][rows] broadcast one key element at a time,
+// softmax statistics are plain per-lane vectors, and O^T[dv][rows] += V[key][dv] * P^T[key][rows]
+// the same way. K and V are read from any layout (through element strides and the page table) into
+// a contiguous fp32 tile once for all T x group rows of their head; no transpose is ever made.
+
+// ------------------------------------------------------------------ scalar conversions
+static inline float bits_to_float(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
+
+static inline float bf16_to_float(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+
+static inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  const uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // NaN stays NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp != 0) return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+  const float sub = float(man) * (1.0f / 16777216.0f);  // subnormal: man * 2^-24
+  return sign ? -sub : sub;
+}
+
+static inline uint16_t float_to_half(float f) {  // round to nearest even
+  const uint32_t u = float_to_bits(f), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflows to inf (from 65520 up)
+  if (a < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+    const float scaled = bits_to_float(a) * 16777216.0f;  // in units of 2^-24, exact
+    uint32_t m = uint32_t(scaled);
+    const float rest = scaled - float(m);
+    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
+    return uint16_t(sign | m);
+  }
+  const uint32_t r = a + 0x0fffu + ((a >> 13) & 1u) - 0x38000000u;  // rebias 127 -> 15, round
+  return uint16_t(sign | (r >> 13));
+}
+
+static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// n elements of base (from element offset off) into fp32 dst.
+static inline void load_row(const void* base, int32_t dtype, int64_t off, int64_t n, float* dst) {
+  if (dtype == F32) {
+    const float* src = static_cast<const float*>(base) + off;
+    int64_t e = 0;
+    for (; e + LANES <= n; e += LANES) V::store(dst + e, V::load(src + e));
+    for (; e < n; ++e) dst[e] = src[e];
+  } else if (dtype == BF16) {
+    V::widen_bf16(static_cast<const uint16_t*>(base) + off, dst, n);
+  } else {
+    V::widen_f16(static_cast<const uint16_t*>(base) + off, dst, n);
+  }
+}
+
+// n fp32 values into base (from element offset off), rounded to dtype.
+static inline void store_row(void* base, int32_t dtype, int64_t off, int64_t n, const float* src) {
+  if (dtype == F32) {
+    float* dst = static_cast<float*>(base) + off;
+    for (int64_t e = 0; e < n; ++e) dst[e] = src[e];
+  } else if (dtype == BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(base) + off;
+    for (int64_t e = 0; e < n; ++e) dst[e] = float_to_bf16(src[e]);
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(base) + off;
+    for (int64_t e = 0; e < n; ++e) dst[e] = float_to_half(src[e]);
+  }
+}
+
+// True when every value of the row is finite (0 * x is NaN exactly for inf and NaN).
+static inline bool all_finite(const float* row, int64_t n) {
+  typename V::T acc = V::zero();
+  int64_t e = 0;
+  for (; e + LANES <= n; e += LANES) acc = V::add(acc, V::mul(V::load(row + e), V::zero()));
+  float lanes[LANES], sum = 0.0f;
+  V::store(lanes, acc);
+  for (int i = 0; i < LANES; ++i) sum += lanes[i];
+  for (; e < n; ++e) sum += row[e] * 0.0f;
+  return sum == 0.0f;
+}
+
+// ------------------------------------------------------------------ micro-kernels
+// Row-indexed buffers (Q^T, S^T/P^T, masks, O^T) are stored as panels of W = RV x LANES rows: panel
+// [X][W] for X = d, keys or dv, so a micro-kernel's rows are contiguous and stay in L1 (a plain
+// [X][rows] layout puts consecutive X a multiple of 1 KiB apart, and they evict each other).
+
+// S^T panel rows i0 .. i0 + NB: NB keys x RV vectors of accumulators, one broadcast key element each.
+template <int NB, int RV>
+static inline void qk_block(const float* kt, int64_t d, const float* qt, float* s) {
+  constexpr int W = RV * LANES;
+  typename V::T acc[NB][RV];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < RV; ++j) acc[i][j] = V::zero();
+  for (int64_t k = 0; k < d; ++k) {
+    typename V::T q[RV];
+    for (int j = 0; j < RV; ++j) q[j] = V::load(qt + k * W + j * LANES);
+    for (int i = 0; i < NB; ++i) {
+      const typename V::T b = V::bcast(kt + i * d + k);
+      for (int j = 0; j < RV; ++j) acc[i][j] = V::fma(b, q[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < RV; ++j) V::store(s + i * W + j * LANES, acc[i][j]);
+}
+
+// O^T[c0 + i] = alpha * O^T[c0 + i] + sum_n V[n][c0 + i] * P^T[n] on one panel. MASKED (tree tiles):
+// a key a row cannot see is dropped with a bit mask, so a NaN/inf in it cannot reach the row
+// (0 * NaN would).
+template <int DB, int RV, bool MASKED>
+static inline void pv_block(const float* vt, int64_t dv, int64_t c0, const float* p, const float* mask,
+                            int64_t count, const float* alpha, float* ot) {
+  constexpr int W = RV * LANES;
+  typename V::T acc[DB][RV];
+  for (int j = 0; j < RV; ++j) {
+    const typename V::T a = V::load(alpha + j * LANES);
+    for (int i = 0; i < DB; ++i) acc[i][j] = V::mul(V::load(ot + (c0 + i) * W + j * LANES), a);
+  }
+  for (int64_t n = 0; n < count; ++n) {
+    typename V::T pr[RV];
+    for (int j = 0; j < RV; ++j) pr[j] = V::load(p + n * W + j * LANES);
+    for (int i = 0; i < DB; ++i) {
+      const typename V::T b = V::bcast(vt + n * dv + c0 + i);
+      for (int j = 0; j < RV; ++j) {
+        if (MASKED) acc[i][j] = V::add(acc[i][j], V::band(V::mul(b, pr[j]), V::load(mask + n * W + j * LANES)));
+        else acc[i][j] = V::fma(b, pr[j], acc[i][j]);
+      }
+    }
+  }
+  for (int j = 0; j < RV; ++j)
+    for (int i = 0; i < DB; ++i) V::store(ot + (c0 + i) * W + j * LANES, acc[i][j]);
+}
+
+template <int RV>
+static void qk_panel(const float* kt, int64_t d, int64_t keys, const float* qt, float* s) {
+  for (int64_t i = 0; i < keys; i += KEY_PAD) qk_block<KEY_PAD, RV>(kt + i * d, d, qt, s + i * RV * LANES);
+}
+
+template <int RV, bool MASKED>
+static void pv_panel(const float* vt, int64_t dv, const float* p, const float* mask, int64_t count,
+                     const float* alpha, float* ot) {
+  int64_t c = 0;
+  for (; c + 4 <= dv; c += 4) pv_block<4, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot);
+  switch (dv - c) {
+    case 3: pv_block<3, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot); break;
+    case 2: pv_block<2, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot); break;
+    case 1: pv_block<1, RV, MASKED>(vt, dv, c, p, mask, count, alpha, ot); break;
+    default: break;
+  }
+}
+
+// Panel widths in vectors: 3 at a time (12 accumulators with 4 keys / dims), the rest as pairs; a
+// single vector only when there is just one.
+static inline int64_t panel_vectors(int64_t left) { return left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3; }
+
+// ------------------------------------------------------------------ the work item
+// Element offset of key j (of request b, KV head h) in K or V.
+static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t page, int64_t tok, int64_t head,
+                                 int64_t h) {
+  if (p.page_size == 0) return (p.kv_starts[b] + j) * tok + h * head;
+  const int64_t id = p.page_indices[p.page_starts[b] + j / p.page_size];
+  return id * page + (j % p.page_size) * tok + h * head;
+}
+
+// Copy `count` key (or value) rows into a contiguous fp32 tile. Even fp32 rows are copied: in the
+// engines' token-major layouts consecutive keys of one head lie h_kv * d apart (4 KiB for 8 heads of
+// 128), so reading them in place makes every tile row alias the same L1 sets; the copy is d
+// elements per key against 2 x rows x d FMAs.
+// Also prefetches the same rows of the next tile (up to `end`): in token-major layouts a head's
+// consecutive keys are h_kv * d apart, a stride the hardware prefetchers do not follow far enough.
+static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
+                      const Item& it, int64_t j0, int64_t count, int64_t end, float* tile) {
+  const int64_t bytes = width * (p.dtype == F32 ? 4 : 2);
+  for (int64_t i = 0; i < count; ++i) {
+    if (j0 + KEY_TILE + i < end) {
+      const char* next = static_cast<const char*>(base) +
+                         key_offset(p, it.b, j0 + KEY_TILE + i, page, tok, head, it.h) * (bytes / width);
+      for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + c);
+    }
+    load_row(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, tile + i * width);
+  }
+}
+
+static void run_item(const Problem& p, const Item& it, float* scratch) {
+  const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b;
+  const int64_t rows = (it.t1 - it.t0) * group, rp = padded_rows(rows), keys = KEY_TILE + KEY_PAD;
+  const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
+  float* qt = scratch;
+  float* s = qt + d * rp;
+  float* mask = s + keys * rp;
+  float* ot = mask + keys * rp;
+  float* m = ot + dv * rp;
+  float* l = m + rp;
+  float* alpha = l + rp;
+  int32_t* enter = reinterpret_cast<int32_t*>(alpha + rp);
+  float* kbuf = alpha + 2 * rp;
+  float* vbuf = kbuf + keys * d;
+  // Panel j holds rows [first, first + width); in a buffer of X rows per query row it starts at X * first.
+  int64_t first[ROW_BLOCK / LANES + 2], width[ROW_BLOCK / LANES + 2], panels = 0;
+  for (int64_t r = 0; r < rp; ++panels) {
+    first[panels] = r;
+    width[panels] = panel_vectors((rp - r) / LANES) * LANES;
+    r += width[panels];
+  }
+
+  // Q^T, pre-scaled; padding rows are zero and see no tree key (enter -1).
+  for (int64_t j = 0; j < panels; ++j)
+    for (int64_t o = 0; o < width[j]; ++o) {
+      const int64_t r = first[j] + o, t = it.t0 + r / group, g = r % group;
+      float* dst = qt + d * first[j] + o;
+      if (r < rows) {
+        load_row(p.q, p.dtype, (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head, d, kbuf);
+        for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = kbuf[k] * p.scale2;
+        enter[r] = n ? p.tree_order[2 * (p.tree_starts[b] + t + n - qo)] : -1;
+      } else {
+        for (int64_t k = 0; k < d; ++k) dst[k * width[j]] = 0.0f;
+        enter[r] = -1;
+      }
+    }
+  for (int64_t r = 0; r < rp; r += LANES) {
+    V::store(m + r, V::set1(-__builtin_inff()));
+    V::store(l + r, V::zero());
+  }
+  for (int64_t i = 0; i < dv * rp; i += LANES) V::store(ot + i, V::zero());
+
+  const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
+  for (int64_t j0 = it.c0; j0 < it.c1; j0 += KEY_TILE) {
+    const int64_t count = imin(KEY_TILE, it.c1 - j0), padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
+    pack_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, it.c1, kbuf);
+    pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, it.c1, vbuf);
+    for (int64_t i = count * d; i < padded * d; ++i) kbuf[i] = 0.0f;  // padding keys: finite scores, never used
+    // The ancestor test, only on tiles holding tree keys: key of node a is visible to row of node u
+    // iff enter[a] <= enter[u] < exit[a]. Invisible scores are replaced (not offset) by -inf, so they
+    // get probability 0; only a non-finite V row of a tree key needs the (slower) bit-masked P x V.
+    const bool masked = n > 0 && j0 + count > tree_lo;
+    bool guard = false;
+    for (int64_t i = tree_lo > j0 ? tree_lo - j0 : 0; masked && i < count && !guard; ++i)
+      guard = !all_finite(vbuf + i * dv, dv);
+    for (int64_t j = 0; j < panels; ++j) {
+      const int64_t w = width[j];
+      float* sp = s + keys * first[j];
+      float* mp = mask + keys * first[j];
+      float* op = ot + dv * first[j];
+      const float* qp = qt + d * first[j];
+      if (w == 3 * LANES) qk_panel<3>(kbuf, d, padded, qp, sp);
+      else if (w == 2 * LANES) qk_panel<2>(kbuf, d, padded, qp, sp);
+      else qk_panel<1>(kbuf, d, padded, qp, sp);
+      for (int64_t o = 0; o < w; o += LANES) {  // online softmax of this panel's rows, a vector at a time
+        const int64_t r = first[j] + o;
+        typename V::T top = V::set1(-__builtin_inff());
+        for (int64_t i = 0; i < count; ++i) {
+          typename V::T x = V::load(sp + i * w + o);
+          if (masked) {
+            const int64_t node = j0 + i - tree_lo;
+            const typename V::T vis = node < 0 ? V::all_ones()
+                                               : V::visible(enter + r, order[2 * node], order[2 * node + 1]);
+            x = V::select(vis, x, V::set1(-__builtin_inff()));
+            V::store(mp + i * w + o, vis);
+          }
+          V::store(sp + i * w + o, x);
+          top = V::max(top, x);
+        }
+        const typename V::T old = V::load(m + r), fresh = V::max(old, top);
+        // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
+        const typename V::T shift = V::select(V::eq(fresh, V::set1(-__builtin_inff())), V::zero(), fresh);
+        const typename V::T a = V::exp2(V::sub(old, shift));
+        typename V::T sum = V::zero();
+        for (int64_t i = 0; i < count; ++i) {
+          const typename V::T e = V::exp2(V::sub(V::load(sp + i * w + o), shift));
+          V::store(sp + i * w + o, e);
+          sum = V::add(sum, e);
+        }
+        V::store(l + r, V::fma(V::load(l + r), a, sum));
+        V::store(m + r, fresh);
+        V::store(alpha + r, a);
+      }
+      const float* ap = alpha + first[j];
+      if (w == 3 * LANES) {
+        if (guard) pv_panel<3, true>(vbuf, dv, sp, mp, count, ap, op);
+        else pv_panel<3, false>(vbuf, dv, sp, mp, count, ap, op);
+      } else if (w == 2 * LANES) {
+        if (guard) pv_panel<2, true>(vbuf, dv, sp, mp, count, ap, op);
+        else pv_panel<2, false>(vbuf, dv, sp, mp, count, ap, op);
+      } else {
+        if (guard) pv_panel<1, true>(vbuf, dv, sp, mp, count, ap, op);
+        else pv_panel<1, false>(vbuf, dv, sp, mp, count, ap, op);
+      }
+    }
+  }
+
+  // Normalise and write (transposing back to rows): the final output, or this chunk's partial result.
+  for (int64_t j = 0; j < panels; ++j)
+    for (int64_t o = 0; o < width[j] && first[j] + o < rows; ++o) {
+      const int64_t r = first[j] + o;
+      const float* src = ot + dv * first[j] + o;
+      const float sum = l[r];
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const float lse = sum > 0.0f ? __builtin_log2f(sum) + m[r] : EMPTY_LSE;
+      float* row = it.part_o ? it.part_o + r * dv : vbuf;
+      for (int64_t c = 0; c < dv; ++c) row[c] = src[c * width[j]] * inv;
+      if (it.part_o) {
+        it.part_lse[r] = lse;
+      } else {
+        const int64_t t = p.q_starts[b] + it.t0 + r / group, head = it.h * group + r % group;
+        store_row(p.out, p.dtype, t * p.o_row + head * p.o_head, dv, row);
+        p.lse[t * p.l_row + head * p.l_head] = lse;
+      }
+    }
+}

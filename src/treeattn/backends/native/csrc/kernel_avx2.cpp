@@ -1,0 +1,76 @@
+// AVX2 + FMA + F16C path (x86-64-v3: Haswell, Zen and later). Compiled for that ISA through the
+// pragma below, whatever flags the rest of the extension gets; chosen at run time only when cpuid
+// reports all three features.
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "problem.h"
+
+namespace treeattn_native {
+namespace avx2 {
+
+struct V {
+  using T = __m256;
+  static inline T zero() { return _mm256_setzero_ps(); }
+  static inline T set1(float a) { return _mm256_set1_ps(a); }
+  static inline T all_ones() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+  static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  static inline T bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static inline T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static inline T band(T a, T b) { return _mm256_and_ps(a, b); }
+  static inline T eq(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline T select(T mask, T a, T b) { return _mm256_blendv_ps(b, a, mask); }
+  static inline T visible(const int32_t* enter, int32_t lo, int32_t hi) {  // lo <= enter < hi
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(enter));
+    const __m256i ge = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(lo - 1));
+    const __m256i lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), e);
+    return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
+  }
+  static inline T exp2(T x) {  // Cephes' exp2f polynomial on x - round(x); exp2(-inf) = 0, NaN stays NaN
+    x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
+    const __m256 whole = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, whole);
+    __m256 poly = _mm256_set1_ps(1.535336188319500e-4f);
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(1.339887440266574e-3f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(9.618437357674640e-3f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(5.550332471162809e-2f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(2.402264791363012e-1f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(6.931472028550421e-1f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
+  }
+  static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
+  static void widen_f16(const uint16_t* src, float* dst, int64_t n);
+};
+
+#include "kernel.hpp"
+
+void V::widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+}  // namespace avx2
+
+void run_item_avx2(const Problem& p, const Item& it, float* scratch) { avx2::run_item(p, it, scratch); }
+
+}  // namespace treeattn_native
+#endif

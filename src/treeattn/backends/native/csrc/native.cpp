@@ -1,0 +1,340 @@
+// Torch binding of the native CPU kernel: checks the tensors, cuts the batch into work items
+// (splitting long prefixes when there are too few items for the threads), runs them in one
+// parallel region, and merges split items by their LSEs inside that region.
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "problem.h"
+
+namespace treeattn_native {
+
+void run_item_generic(const Problem& p, const Item& it, float* scratch);
+#if defined(__x86_64__)
+void run_item_avx2(const Problem& p, const Item& it, float* scratch);
+#endif
+
+namespace {
+
+// Calls below this many FLOPs run on the calling thread: a parallel region ends in a barrier that needs
+// every thread scheduled, which costs far more than such a call when the cores are oversubscribed.
+constexpr double PARALLEL_FLOPS = 3e7;
+// With fewer items than this per thread, prefixes are split (into pieces of at least MIN_CHUNK keys).
+constexpr int64_t ITEMS_PER_THREAD = 4;
+constexpr int64_t MIN_CHUNK = 512;
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  unsigned a, b, c, d;
+  const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+#else
+  return false;
+#endif
+}
+
+// The kernel paths this CPU can run, best first.
+std::vector<std::string> isas() {
+  std::vector<std::string> out;
+  if (has_avx2()) out.push_back("avx2");
+  out.push_back("generic");
+  return out;
+}
+
+ItemFn item_fn(const std::string& isa) {
+  const auto names = isas();
+  const std::string want = isa.empty() ? names.front() : isa;
+  for (const auto& name : names) {
+    if (name != want) continue;
+#if defined(__x86_64__)
+    if (name == "avx2") return run_item_avx2;
+#endif
+    return run_item_generic;
+  }
+  std::string list;
+  for (const auto& name : names) list += (list.empty() ? "" : ", ") + name;
+  TORCH_CHECK(false, "native kernel path '", want, "' is not available on this CPU (available: ", list, ")");
+}
+
+int32_t dtype_code(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return F32;
+    case at::kHalf: return F16;
+    case at::kBFloat16: return BF16;
+    default: TORCH_CHECK(false, "native kernel: unsupported dtype ", t.scalar_type());
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must have a contiguous last dimension");
+}
+
+template <typename T>
+void store(void* base, int64_t i, float x) { static_cast<T*>(base)[i] = static_cast<T>(x); }
+
+void store_value(const Problem& p, int64_t i, float x) {
+  if (p.dtype == F32) store<float>(p.out, i, x);
+  else if (p.dtype == BF16) store<at::BFloat16>(p.out, i, x);
+  else store<at::Half>(p.out, i, x);
+}
+
+// One (request, KV head, row block) and its chunks of keys: items [first, first + count).
+struct Group {
+  int64_t b, h, t0, t1, first, count;
+  float* part_o;  // [count][rows][dv] partial outputs, then [count][rows] LSEs; null when count == 1
+};
+
+// A part with no keys (treeattn.lse.is_empty): TVM's sentinel or -inf. It gets weight 0 in a merge
+// whatever its output holds, since a real LSE may lie below the sentinel.
+inline bool is_empty(float lse) { return lse == EMPTY_LSE || lse == -INFINITY; }
+
+// Softmax weights 2^(lse_c - max) of `count` parts (stride apart) into `w`, normalised; returns the
+// merged LSE (EMPTY_LSE, all weights 0, when every part is empty). This is treeattn.lse.merge.
+inline float merge_weights(const float* lses, int64_t stride, int64_t count, float* w) {
+  float top = -INFINITY;
+  for (int64_t c = 0; c < count; ++c)
+    if (!is_empty(lses[c * stride])) top = std::max(top, lses[c * stride]);
+  float total = 0.0f;
+  for (int64_t c = 0; c < count; ++c) {
+    w[c] = is_empty(lses[c * stride]) ? 0.0f : std::exp2(lses[c * stride] - top);
+    total += w[c];
+  }
+  if (total == 0.0f) return EMPTY_LSE;
+  for (int64_t c = 0; c < count; ++c) w[c] /= total;
+  return top + std::log2(total);
+}
+
+// Merge a split group's partial results into out/lse.
+void merge_group(const Problem& p, const Group& g, std::vector<float>& w) {
+  const int64_t rows = (g.t1 - g.t0) * p.group, dv = p.dv;
+  const float* lses = g.part_o + g.count * rows * dv;
+  w.resize(size_t(g.count));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float lse = merge_weights(lses + r, rows, g.count, w.data());
+    const int64_t t = p.q_starts[g.b] + g.t0 + r / p.group, head = g.h * p.group + r % p.group;
+    const int64_t off = t * p.o_row + head * p.o_head;
+    for (int64_t e = 0; e < dv; ++e) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < g.count; ++c)
+        if (w[c] > 0.0f) acc += w[c] * g.part_o[(c * rows + r) * dv + e];
+      store_value(p, off + e, acc);
+    }
+    p.lse[t * p.l_row + head * p.l_head] = lse;
+  }
+}
+
+void run(const Problem& p, int64_t batch, const std::string& isa) {
+  const ItemFn fn = item_fn(isa);
+  const int64_t threads = at::get_num_threads(), block = std::max<int64_t>(1, ROW_BLOCK / p.group);
+  std::vector<Group> groups;
+  double flops = 0, keys = 0;
+  int64_t max_rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b];
+    if (qo == 0) continue;
+    if (kv == 0) {  // no keys at all: out 0, lse EMPTY_LSE
+      for (int64_t t = p.q_starts[b]; t < p.q_starts[b] + qo; ++t)
+        for (int64_t head = 0; head < p.h_kv * p.group; ++head) {
+          for (int64_t e = 0; e < p.dv; ++e) store_value(p, t * p.o_row + head * p.o_head + e, 0.0f);
+          p.lse[t * p.l_row + head * p.l_head] = EMPTY_LSE;
+        }
+      continue;
+    }
+    for (int64_t t0 = 0; t0 < qo; t0 += block)
+      for (int64_t h = 0; h < p.h_kv; ++h) {
+        const int64_t t1 = std::min(qo, t0 + block);
+        groups.push_back({b, h, t0, t1, 0, 1, nullptr});
+        max_rows = std::max(max_rows, (t1 - t0) * p.group);
+        flops += 2.0 * double((t1 - t0) * p.group * kv * (p.d + p.dv));
+        keys += double(kv);
+      }
+  }
+  const bool parallel = threads > 1 && flops >= PARALLEL_FLOPS;
+  int64_t chunk = 0;  // keys per item (0: a group's keys in one item)
+  if (parallel && int64_t(groups.size()) < ITEMS_PER_THREAD * threads) {
+    const int64_t even = int64_t(std::ceil(keys / double(ITEMS_PER_THREAD * threads)));
+    chunk = (std::max(MIN_CHUNK, even) + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+  }
+  // Items, and the partial results of groups cut into several chunks.
+  std::vector<Item> items;
+  std::vector<int64_t> owner;
+  std::vector<int64_t> part_at(groups.size(), -1);
+  int64_t part_floats = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& g = groups[gi];
+    const int64_t kv = p.kv_lens[g.b], count = chunk ? (kv + chunk - 1) / chunk : 1;
+    g.count = count;
+    if (count > 1) {
+      part_at[gi] = part_floats;
+      part_floats += count * (g.t1 - g.t0) * p.group * (p.dv + 1);
+    }
+  }
+  std::vector<float> parts(static_cast<size_t>(part_floats));
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& g = groups[gi];
+    const int64_t kv = p.kv_lens[g.b], rows = (g.t1 - g.t0) * p.group;
+    g.first = int64_t(items.size());
+    if (g.count == 1) {
+      items.push_back({g.b, g.h, g.t0, g.t1, 0, kv, nullptr, nullptr});
+      owner.push_back(int64_t(gi));
+      continue;
+    }
+    g.part_o = parts.data() + part_at[gi];
+    const int64_t size = (kv + g.count - 1) / g.count;
+    for (int64_t c = 0; c < g.count; ++c)
+      items.push_back({g.b, g.h, g.t0, g.t1, c * size, std::min(kv, (c + 1) * size), g.part_o + c * rows * p.dv,
+                       g.part_o + g.count * rows * p.dv + c * rows});
+    for (int64_t c = 0; c < g.count; ++c) owner.push_back(int64_t(gi));
+  }
+
+  // The thread that finishes a split group's last chunk merges it: no second parallel region.
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[groups.size()]);
+  for (size_t gi = 0; gi < groups.size(); ++gi) left[gi] = groups[gi].count;
+  const int64_t n_items = int64_t(items.size()), floats = scratch_floats(p, max_rows) + LANES;
+  auto work = [&](float* scratch, std::vector<float>& weights, int64_t i) {
+    fn(p, items[i], scratch);
+    const Group& g = groups[owner[i]];
+    if (g.count > 1 && left[owner[i]].fetch_sub(1) == 1) merge_group(p, g, weights);
+  };
+  if (!parallel) {
+    std::unique_ptr<float[]> scratch(new float[size_t(floats)]);  // not zero-filled: every item sets what it reads
+    std::vector<float> weights;
+    for (int64_t i = 0; i < n_items; ++i) work(scratch.get(), weights, i);
+    return;
+  }
+  std::atomic<int64_t> next{0};  // items are taken dynamically: uneven requests still balance
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::unique_ptr<float[]> scratch(new float[size_t(floats)]);
+    std::vector<float> weights;
+    for (int64_t i = next++; i < n_items; i = next++) work(scratch.get(), weights, i);
+  });
+}
+
+Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& meta,
+                const at::Tensor& order, const at::Tensor& pages, int64_t page_size, double sm_scale,
+                const at::Tensor& out, const at::Tensor& lse) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  check_rows(out, "out");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && lse.dim() == 2, "q/out must be [rows, heads, d], lse [rows, heads]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "q, k, v and out must share one dtype");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.device().is_cpu(), "lse must be float32 on the CPU");
+  TORCH_CHECK(meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 && meta.size(0) == 7,
+              "meta must be a contiguous int64 [7, batch] tensor");
+  TORCH_CHECK(order.scalar_type() == at::kInt && order.is_contiguous(), "tree_order must be contiguous int32");
+  TORCH_CHECK(pages.scalar_type() == at::kInt && pages.is_contiguous(), "page_indices must be contiguous int32");
+  const bool paged = page_size > 0;
+  TORCH_CHECK(k.dim() == (paged ? 4 : 3) && v.dim() == k.dim(), "k/v must be ", paged ? "[pages, page_size, h_kv, d]" : "[tokens, h_kv, d]");
+  Problem p{};
+  p.dtype = dtype_code(q);
+  p.q = q.data_ptr();
+  p.q_row = q.stride(0);
+  p.q_head = q.stride(1);
+  const int64_t o = paged ? 1 : 0;  // ragged k/v have no page dimension
+  p.k = k.data_ptr();
+  p.k_page = paged ? k.stride(0) : 0;
+  p.k_tok = k.stride(o);
+  p.k_head = k.stride(o + 1);
+  p.v = v.data_ptr();
+  p.v_page = paged ? v.stride(0) : 0;
+  p.v_tok = v.stride(o);
+  p.v_head = v.stride(o + 1);
+  p.out = out.data_ptr();
+  p.o_row = out.stride(0);
+  p.o_head = out.stride(1);
+  p.lse = lse.data_ptr<float>();
+  p.l_row = lse.stride(0);
+  p.l_head = lse.stride(1);
+  p.h_kv = k.size(o + 1);
+  TORCH_CHECK(p.h_kv > 0 && q.size(1) % p.h_kv == 0, "query heads must be a multiple of KV heads");
+  p.group = q.size(1) / p.h_kv;
+  TORCH_CHECK(p.group <= ROW_BLOCK, "native kernel: at most ", ROW_BLOCK, " query heads per KV head, got ", p.group);
+  p.d = q.size(2);
+  p.dv = v.size(o + 2);
+  TORCH_CHECK(k.size(o + 2) == p.d && out.size(2) == p.dv && out.size(1) == q.size(1), "head dims disagree");
+  p.scale2 = float(sm_scale / std::log(2.0));
+  p.page_size = page_size;
+  p.page_indices = pages.data_ptr<int32_t>();
+  p.tree_order = order.data_ptr<int32_t>();
+  const int64_t* m = meta.data_ptr<int64_t>();
+  const int64_t batch = meta.size(1);
+  p.q_starts = m;
+  p.qo_lens = m + batch;
+  p.kv_starts = m + 2 * batch;
+  p.kv_lens = m + 3 * batch;
+  p.tree_starts = m + 4 * batch;
+  p.tree_sizes = m + 5 * batch;
+  p.page_starts = m + 6 * batch;
+  return p;
+}
+
+void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& meta,
+               const at::Tensor& order, const at::Tensor& pages, int64_t page_size, double sm_scale,
+               const at::Tensor& out, const at::Tensor& lse, const std::string& isa) {
+  const Problem p = problem(q, k, v, meta, order, pages, page_size, sm_scale, out, lse);
+  run(p, meta.size(1), isa);
+}
+
+// Base-2 LSE merge of two partial results, elementwise over rows x heads; out/lse may alias a.
+template <typename T>
+void merge_typed(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b, const at::Tensor& lb,
+                 const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t rows = la.numel(), d = a.size(-1);
+  const T* pa = a.data_ptr<T>();
+  const T* pb = b.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  const float* sa = la.data_ptr<float>();
+  const float* sb = lb.data_ptr<float>();
+  float* so = lse.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, d)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float parts[2] = {sa[r], sb[r]};
+      float w[2];
+      const float merged = merge_weights(parts, 1, 2, w);
+      for (int64_t e = 0; e < d; ++e) {
+        float acc = 0.0f;  // a part of weight 0 adds nothing, even a NaN
+        if (w[0] > 0.0f) acc += w[0] * static_cast<float>(pa[r * d + e]);
+        if (w[1] > 0.0f) acc += w[1] * static_cast<float>(pb[r * d + e]);
+        po[r * d + e] = static_cast<T>(acc);
+      }
+      so[r] = merged;
+    }
+  });
+}
+
+void merge_state(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b, const at::Tensor& lb,
+                 const at::Tensor& out, const at::Tensor& lse) {
+  for (const auto* t : {&a, &b, &out}) TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() &&
+                                                   t->scalar_type() == a.scalar_type() && t->sizes() == a.sizes(),
+                                                   "merge_state: outputs must be contiguous CPU tensors of one shape and dtype");
+  for (const auto* t : {&la, &lb, &lse}) TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                                                     t->numel() * a.size(-1) == a.numel(),
+                                                     "merge_state: LSEs must be contiguous float32, one per output row");
+  switch (dtype_code(a)) {
+    case F32: merge_typed<float>(a, la, b, lb, out, lse); break;
+    case BF16: merge_typed<at::BFloat16>(a, la, b, lb, out, lse); break;
+    default: merge_typed<at::Half>(a, la, b, lb, out, lse); break;
+  }
+}
+
+}  // namespace
+}  // namespace treeattn_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first");
+  // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
+  m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("merge_state", &treeattn_native::merge_state, "base-2 LSE merge of two partial results",
+        py::call_guard<py::gil_scoped_release>());
+}

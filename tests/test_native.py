@@ -1,0 +1,184 @@
+"""The native C++ CPU kernel: every code path this CPU has, forced one at a time, against the float64
+reference (fresh random inputs, NaN-poisoned outputs), on every page layout; hidden-key NaNs; the prefix
+split across threads; merges; and the fallback when the extension cannot be built.
+
+``tests/test_attention.py`` runs the default path through the public ops as well. The first test to
+run compiles the extension (about 1-3 minutes on 2 cores; cached afterwards).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from tests.helpers import (MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch,
+                           outputs_for, poisoned, star)
+
+import treeattn
+from treeattn.backends import AttentionSpec
+from treeattn.backends.native import NativeBackend
+from treeattn.backends.native.build import EXTENSION, Extension
+from treeattn.layout import PagedKV
+from treeattn.lse import EMPTY_LSE, merge
+from treeattn.plan import TreeAttentionPlan
+
+pytestmark = pytest.mark.skipif(EXTENSION.failure() is not None, reason=f"native kernel not built: {EXTENSION.failure()}")
+
+ISAS = NativeBackend().isas() if EXTENSION.failure() is None else []
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def spec_of(batch, page_size=None) -> AttentionSpec:
+    return AttentionSpec(torch.device("cpu"), batch.q.dtype, batch.q.shape[1], batch.k.shape[1], batch.q.shape[2],
+                         batch.v.shape[2], page_size=page_size)
+
+
+def native(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125):
+    """Run one forced kernel path directly (no ops dispatch) into poisoned buffers."""
+    backend = NativeBackend(isa=isa)
+    out, lse = outputs_for(batch.q)
+    if kv is None:
+        plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+        spec = spec_of(batch)
+        assert backend.unsupported(spec) is None
+        backend.tree_attention(batch.q, batch.k, batch.v, plan, backend.plan(plan, spec), sm_scale=sm_scale,
+                               out=out, lse=lse)
+    else:
+        e = batch.extra
+        plan = TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
+                                       batch.tree_indptr, batch.tree_order, page_size=kv.page_size,
+                                       num_pages=kv.num_pages)
+        spec = spec_of(batch, kv.page_size)
+        backend.paged_tree_attention(batch.q, kv, plan, backend.plan(plan, spec), sm_scale=sm_scale, out=out, lse=lse)
+    return out, lse
+
+
+def reference(batch, sm_scale: float = 0.125):
+    return treeattn.tree_attention(*batch.ragged_args(), sm_scale=sm_scale, backend="reference")
+
+
+def layouts(batch) -> dict[str, PagedKV]:
+    """The batch's TVM pages, and the same tokens as NHD, HND and strided views into one engine buffer."""
+    tvm = batch.extra["kv_pages"]  # [pages, 2, h_kv, page_size, d]
+    nhd = tvm.permute(0, 1, 3, 2, 4).contiguous()  # [pages, 2, page_size, h_kv, d]: vLLM-style K/V views
+    return {"TVM": PagedKV.wrap(tvm),
+            "NHD": PagedKV.wrap((nhd[:, 0].contiguous(), nhd[:, 1].contiguous()), "NHD"),
+            "HND": PagedKV.wrap((tvm[:, 0].contiguous(), tvm[:, 1].contiguous()), "HND"),
+            "views": PagedKV.wrap((nhd[:, 0], nhd[:, 1]), "NHD")}
+
+
+def test_a_simd_path_on_x86():
+    """This CPU reports its paths best first; a test machine with AVX2 must not silently fall to generic."""
+    assert ISAS[-1] == "generic"
+    if "avx2" in open("/proc/cpuinfo").read().split():
+        assert ISAS[0] == "avx2"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mixed_batch_every_layout(isa, dtype, page_size):
+    batch = make_batch(MIXED, h_q=8, h_kv=2, d=64, dtype=dtype, seed=page_size, page_size=page_size)
+    want = reference(batch)
+    assert_close_to_reference(*native(batch, isa), *want, dtype)
+    for name, kv in layouts(batch).items():
+        assert_close_to_reference(*native(batch, isa, kv), *want, dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", ["tree", "forest", "chain", "star", "deep_chain", "qo_lt_n"])
+@pytest.mark.parametrize("prefix", [0, 15, 16, 17, 63, 64, 65])
+def test_tree_shapes_at_page_boundaries(isa, shape, prefix):
+    parents = {"tree": binary(26), "forest": forest(binary(7), chain(3), [-1]), "chain": chain(10),
+               "star": star(9), "deep_chain": chain(200), "qo_lt_n": binary(15)}[shape]
+    request = Request(parents, prefix=prefix, qo=5 if shape == "qo_lt_n" else None)
+    batch = make_batch([request], h_q=4, h_kv=2, d=32, seed=prefix, page_size=16)
+    want = reference(batch)
+    assert_close_to_reference(*native(batch, isa), *want, torch.float32)
+    assert_close_to_reference(*native(batch, isa, layouts(batch)["NHD"]), *want, torch.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [16, 20, 64, 128, 256])
+def test_gqa_groups_and_head_dims(isa, group, head_dim):
+    """Odd groups and head dims exercise every panel width and the dims left over by 4- and 8-wide blocks."""
+    batch = make_batch([Request(binary(13), prefix=70), Request(chain(5), prefix=3, qo=2)], h_q=2 * group, h_kv=2,
+                       d=head_dim, seed=group * head_dim)
+    assert_close_to_reference(*native(batch, isa, sm_scale=head_dim**-0.5), *reference(batch, head_dim**-0.5),
+                              torch.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+def test_long_prefix_split_across_threads(isa, dtype, paged):
+    """One request with one KV head has fewer items than threads: its prefix is cut into chunks that run
+    in parallel and are merged by LSE inside the call (and a chunk may hold only hidden tree keys)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = make_batch([Request(binary(31), prefix=5000, qo=20), Request((), prefix=3001, qo=3)], h_q=4, h_kv=1,
+                           d=64, dtype=dtype, seed=7, page_size=16)
+        got = native(batch, isa, layouts(batch)["TVM"] if paged else None)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_to_reference(*got, *reference(batch), dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_hidden_nan_keys_do_not_leak(isa):
+    """NaN in K and V of tree keys a row cannot see leaves that row exact; rows that see them get NaN."""
+    batch = make_batch([Request(forest(chain(4), chain(4)), prefix=9)], h_q=4, h_kv=2, d=16, seed=5)
+    want = reference(batch)
+    batch.k[9 + 3] = float("nan")  # the last node of the first chain: only it sees itself
+    batch.v[9 + 3] = float("nan")
+    out, lse = native(batch, isa)
+    assert out[3].isnan().all()
+    clean = torch.ones(8, dtype=torch.bool)
+    clean[3] = False
+    assert_close_to_reference(out[clean], lse[clean], want[0][clean], want[1][clean], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_merge_state_matches_lse_merge(dtype, in_place):
+    gen = torch.Generator().manual_seed(11)
+    out_a, out_b = (torch.randn(7, 4, 24, generator=gen).to(dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(7, 4, generator=gen) * 8 for _ in range(2))
+    lse_a[0], lse_b[1] = EMPTY_LSE, float("-inf")  # empty parts weigh 0 whatever they hold
+    lse_a[2], lse_b[2] = EMPTY_LSE, EMPTY_LSE  # both empty: 0 and EMPTY_LSE
+    out_a[0] = float("nan")
+    lse_b[3] = -6e4  # a real LSE below the sentinel is still a part with keys
+    want_out, want_lse = merge(out_a, lse_a, out_b, lse_b, torch.float64)
+    out, lse = (out_a.clone(), lse_a.clone()) if in_place else (poisoned(out_a), poisoned(lse_a))
+    NativeBackend().merge_state(out if in_place else out_a, lse if in_place else lse_a, out_b, lse_b, out=out, lse=lse)
+    atol, rtol = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}[dtype]
+    torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-6)
+
+
+def test_unsupported_calls_give_reasons():
+    backend = NativeBackend()
+    assert "CPU" in backend.unsupported(AttentionSpec(torch.device("meta"), torch.float32, 4, 2, 64, 64))
+    assert "float32" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float64, 4, 2, 64, 64))
+    assert "query heads per KV head" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 512, 1, 8, 8))
+    assert "variants" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8, sinks=True))
+    assert "not available" in NativeBackend(isa="avx9000").unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8))
+
+
+def test_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):
+    """No working compiler: one warning, and the backend reports itself unavailable (dispatch then picks the
+    next backend) instead of crashing."""
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    extension = Extension(build_directory=str(tmp_path / "build"))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        reason = NativeBackend(extension=extension).unavailable()
+    assert "could not be built" in reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once, not on every call
+        assert NativeBackend(extension=extension).unavailable() == reason
+    with pytest.raises(RuntimeError, match="could not be built"):
+        extension.module()
