@@ -71,6 +71,8 @@ class TreeCache(Cache):
         num_q_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+        if getattr(config, "kv_lora_rank", None):  # MLA: HF expands the latent into K/V for every query head
+            num_kv_heads, head_dim = num_q_heads, config.qk_nope_head_dim + config.qk_rope_head_dim
         types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         self.paged = PagedKVCache(config.num_hidden_layers, num_kv_heads, head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=dtype, device=device, backend=backend,
@@ -102,10 +104,15 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if dropout:
         raise ValueError("'treeattn' is for inference: call model.eval() (attention dropout is on)")
     sinks = None if s_aux is None else s_aux.detach().float()
+    # PagedKVCache keeps K and V at one head dim (or an MLA latent with V a view of K, a form HF's MLA code,
+    # which hands over K/V already expanded per head, cannot use): a narrower V is stored zero-padded.
+    v_dim = value.shape[-1]
+    if v_dim < key.shape[-1]:
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))
     out = treeattn_cache.paged.attention(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
                                          value[0].transpose(0, 1), sm_scale=scaling, sliding_window=sliding_window,
                                          logit_softcap=softcap, sinks=sinks)
-    return out.unsqueeze(0), None
+    return out[..., :v_dim].unsqueeze(0), None
 
 
 def _no_mask(*args, **kwargs) -> None:

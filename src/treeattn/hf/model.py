@@ -29,11 +29,6 @@ def check_model(model) -> None:
     if not model.can_generate():
         raise ValueError(f"{name} has no language-model head (it cannot generate); load it with "
                          "AutoModelForCausalLM")
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError(f"{name} uses multi-head latent attention: HF's implementation caches the compressed "
-                         "latent in Cache.update and expands K/V for the whole history before calling the attention "
-                         "function, so a paged tree cache behind the attention interface cannot serve it; use "
-                         "treeattn.PagedKVCache(v_head_dim=...) directly")
     other = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS)
     if other:
         raise ValueError(f"{name} has layers of type {other} (recurrent or hybrid): their state cannot branch "
