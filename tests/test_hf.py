@@ -165,6 +165,25 @@ def test_model_stays_on_its_attention_and_cache_is_an_hf_cache():
     assert isinstance(cache, transformers.cache_utils.Cache) and len(cache.layers) == 2
 
 
+def test_drafter_gets_the_models_final_hidden_state():
+    """Drafters that read the target's state (Medusa heads) get HF's last hidden state of each context's last token."""
+    model = _model("qwen3")
+    ids, mask = _prompts([5, 8])
+    seen = []
+
+    class Recorder:
+        def propose(self, contexts, hidden=None):
+            seen.append(([c.tolist() for c in contexts], hidden.clone()))
+            return [DraftTree.root_only(int(c[-1])) for c in contexts]
+
+    speculative_generate(model, ids, attention_mask=mask, max_new_tokens=3, drafter=Recorder())
+    for contexts, hidden in seen:
+        for context, h in zip(contexts, hidden):
+            with torch.no_grad():
+                want = model(torch.tensor([context[:-1]]), output_hidden_states=True).hidden_states[-1][0, -1]
+            torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
+
+
 def test_sampling_keeps_the_target_distribution():
     """Two sampled tokens after a prompt, 3000 rows in one batch, trees of fixed decoys: the empirical
     joint law of the two tokens matches the model's exact one (chi-square, 0.1% level)."""
