@@ -1,5 +1,5 @@
 """treeattn.PagedKVCache: TVM's KV-cache tree scenarios, regressions for TVM's runtime bugs Q1–Q4
-(tvm-semantics.md §8.8), copy-on-write forks, long appends, and misuse that must leave the cache unchanged.
+(docs/semantics.md, "TVM's runtime bugs"), copy-on-write forks, long appends, and misuse that must leave the cache unchanged.
 
 Every forward is checked layer by layer against the dense float64 model in ``cache_model.py``.
 """

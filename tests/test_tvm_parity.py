@@ -3,7 +3,7 @@
 Every CPU backend of treeattn runs on the same random batch as TVM's ``tree_attn_cpu``,
 ``tree_attn_with_paged_kv_cache_cpu`` or ``_merge_state_inplace_cpu`` (outputs of both poisoned with
 NaN first), with the ``tree_order`` that ``treeattn.pack_trees`` built, and we check TVM was fed
-exactly those index arrays. Regions where TVM's behaviour is undefined (tvm-semantics.md §3.3, §5.4)
+exactly those index arrays. Regions where TVM's behaviour is undefined (docs/semantics.md)
 are not tested: a ragged request without keys (TVM's ragged LSE is never assigned), fully masked
 rows, ``sm_scale`` so small that the CPU ragged kernel's masked score ``-5e4·log2(e)·sm_scale``
 competes with real scores, and both merge sides empty.

@@ -7,7 +7,7 @@ for ``rotary_mode == 1``, in a one-statement kernel, so rotations can be compare
 Each build is cached per process, keyed by ``(kernel, h_kv, h_q, d, dtype, rope_scaling)``, because
 compiling is the expensive part (about 0.2–0.3 s per variant; running is scalar loops).
 
-Argument orders follow tvm-semantics.md §5–§6. Every wrapper poisons the TVM outputs with NaN before
+Argument orders are those of TVM's compiled CPU kernels (as its wheel builds them). Every wrapper poisons the TVM outputs with NaN before
 the call and returns the numpy copies of the index arrays it fed TVM (``fed``), so tests can assert
 that TVM saw exactly the arrays treeattn was given. TVM's constraints the caller must respect:
 page size 16, ``rope_scaling={}`` for default RoPE, inline RoPE only on the ragged kernel and only

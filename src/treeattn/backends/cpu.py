@@ -295,7 +295,8 @@ def _run_job(q, h_kv: int, job: _Job, fetch: _Fetch, step: _Step, out_rows, lse_
             k_edge, v_edge = fetch(job, *job.masked[0])
             k, v = torch.cat([k_edge, k], dim=1), torch.cat([v_edge, v], dim=1)
         tree = slice(k.shape[1] - job.tree_size, None)  # the keys some rows cannot see
-        if bool(torch.isfinite(k[:, tree]).all()) and bool(torch.isfinite(v[:, tree]).all()):
+        # One reduction: the sum is finite iff every value is (an overflowing sum only costs the exact path).
+        if bool(torch.isfinite(k[:, tree].sum(dtype=torch.float32) + v[:, tree].sum(dtype=torch.float32))):
             parts.append(_attend(qp, k[None], v[None], job.mask, sm_scale, threads, softcap))
         else:
             parts.append(_exact_masked(q[job.q_start:job.q_end], k, v, job.mask, sm_scale, softcap))

@@ -1,7 +1,7 @@
 """Paged KV cache for tree speculative decoding: draft trees over several rounds, then commit.
 
-The runtime TVM's ``PagedKVCache`` provides around its tree kernels (tvm-semantics.md §7–§9), with
-its runtime bugs fixed (§8.8): every sequence of a commit is compacted (Q1), trees keep their masks
+The runtime TVM's ``PagedKVCache`` provides around its tree kernels (docs/semantics.md, "KV-cache
+runtime"), with its runtime bugs fixed: every sequence of a commit is compacted (Q1), trees keep their masks
 whatever else is in the batch (Q2), node indices are relative to the whole uncommitted tree and a
 commit drops all of it but the accepted path (Q3), and plain appends are always causal (Q4).
 
