@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treeattn import DraftTree, NGramDrafter  # noqa: E402
-from treeattn.hf import TreeCache, check_model, speculative_generate  # noqa: E402
+from treeattn.hf import TreeCache, check_model, speculative_generate, tree_attention_forward  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,10 +53,13 @@ def _config(name: str):
                                   q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
                                   n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                                   first_k_dense_replace=1)
+    if name == "gpt2":  # learned absolute positions, read at the tree positions
+        return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0)
     raise KeyError(name)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt_oss", "deepseek_v3", "gpt2"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -232,6 +235,13 @@ def test_errors_name_the_reason():
     with pytest.raises(ValueError, match="recurrent"):
         check_model(mamba)
 
+    chunked = t.Llama4ForCausalLM(t.Llama4TextConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
+                                                      intermediate_size_mlp=16, num_hidden_layers=1,
+                                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                                      num_local_experts=1, attention_chunk_size=4))
+    with pytest.raises(ValueError, match="chunked attention"):
+        check_model(chunked)
+
     model = _model("llama")
     ids, mask = _prompts([4, 6])
     right = mask.flip(1)
@@ -239,6 +249,10 @@ def test_errors_name_the_reason():
         speculative_generate(model, ids.flip(1), attention_mask=right, max_new_tokens=2)
     with pytest.raises(TypeError, match="input_ids"):
         speculative_generate(model, ids.tolist(), max_new_tokens=2)
+    q = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(ValueError, match="own attention mask"):  # a model that masks by itself is refused
+        tree_attention_forward(model.model.layers[0].self_attn, q, q, q, torch.zeros(1, 1, 3, 3),
+                               treeattn_cache=TreeCache(model.config, num_pages=2))
     model.set_attn_implementation("treeattn")
     try:
         with pytest.raises(ValueError, match="only inside treeattn.hf.speculative_generate"):

@@ -103,6 +103,9 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         raise ValueError(f"'treeattn' packs all sequences into a batch of one, got a batch of {query.shape[0]}")
     if dropout:
         raise ValueError("'treeattn' is for inference: call model.eval() (attention dropout is on)")
+    if attention_mask is not None:  # HF's mask builders give None for "treeattn": this model made its own
+        raise ValueError(f"{type(module).__name__} builds its own attention mask, which 'treeattn' cannot honour "
+                         "(it attends by the cache's tree structure)")
     sinks = None if s_aux is None else s_aux.detach().float()
     # PagedKVCache keeps K and V at one head dim (or an MLA latent with V a view of K, a form HF's MLA code,
     # which hands over K/V already expanded per head, cannot use): a narrower V is stored zero-padded.

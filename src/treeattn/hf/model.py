@@ -29,6 +29,10 @@ def check_model(model) -> None:
     if not model.can_generate():
         raise ValueError(f"{name} has no language-model head (it cannot generate); load it with "
                          "AutoModelForCausalLM")
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"{name} uses chunked attention (attention_chunk_size), which treeattn does not provide")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise ValueError(f"{name} is configured for bidirectional attention; tree verification needs a causal model")
     other = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS)
     if other:
         raise ValueError(f"{name} has layers of type {other} (recurrent or hybrid): their state cannot branch "
