@@ -249,6 +249,12 @@ def test_errors_name_the_reason():
         speculative_generate(model, ids.flip(1), attention_mask=right, max_new_tokens=2)
     with pytest.raises(TypeError, match="input_ids"):
         speculative_generate(model, ids.tolist(), max_new_tokens=2)
+    model.generation_config.repetition_penalty = 1.3  # model.generate would apply it: refused, not ignored
+    try:
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            speculative_generate(model, ids, attention_mask=mask, max_new_tokens=2)
+    finally:
+        model.generation_config.repetition_penalty = 1.0
     q = torch.zeros(1, 4, 3, 16)
     with pytest.raises(ValueError, match="own attention mask"):  # a model that masks by itself is refused
         tree_attention_forward(model.model.layers[0].self_attn, q, q, q, torch.zeros(1, 1, 3, 3),

@@ -33,6 +33,25 @@ def _prompts(input_ids, attention_mask) -> list[list[int]]:
     return prompts
 
 
+# Settings of a generation config by which model.generate changes the model's logits before choosing;
+# verification reads the raw logits, so a model configured with one of them is refused, not silently different.
+_LOGITS_PROCESSORS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "min_length",
+                      "min_new_tokens", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+                      "forced_eos_token_id", "exponential_decay_length_penalty", "guidance_scale",
+                      "encoder_repetition_penalty", "encoder_no_repeat_ngram_size")
+
+
+def _check_generation_config(config) -> None:
+    from transformers import GenerationConfig
+
+    default = GenerationConfig()
+    changed = {f: getattr(config, f, None) for f in _LOGITS_PROCESSORS if getattr(config, f, None) != getattr(default, f)}
+    if changed:
+        raise ValueError(f"the model's generation config sets {changed}, which model.generate applies to the logits; "
+                         "speculative_generate verifies the raw logits: reset these in model.generation_config "
+                         f"(defaults: {({f: getattr(default, f) for f in changed})})")
+
+
 def _token_ids(value, name: str) -> list[int]:
     if value is None:
         return []
@@ -55,12 +74,13 @@ def speculative_generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,
     ``model.generate(do_sample=False)``; otherwise tokens are sampled from the target distribution
     (``top_k``, ``top_p``) with draws from ``generator``. A row stops after an ``eos_token_id``
     (default: the model's generation config); finished rows are padded with its ``pad_token_id``
-    (else the first EOS), as ``model.generate`` pads them. The model's other generation-config
-    processors (repetition penalty, ...) are not applied.
+    (else the first EOS), as ``model.generate`` pads them. A generation config that makes
+    ``model.generate`` change the logits (repetition penalty, ...) is refused with a ``ValueError``.
     """
     tree_model = HFTreeModel(model)
     prompts = _prompts(input_ids, attention_mask)
     config = model.generation_config
+    _check_generation_config(config)
     eos = _token_ids(config.eos_token_id if eos_token_id is None else eos_token_id, "eos_token_id")
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     sampling = SamplingParams(temperature, top_k, top_p) if temperature else None
