@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treeattn import DraftTree, NGramDrafter  # noqa: E402
-from treeattn.hf import TreeCache, check_model, speculative_generate, tree_attention_forward  # noqa: E402
+from treeattn.hf import HFTreeModel, TreeCache, check_model, speculative_generate, tree_attention_forward  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,6 +166,34 @@ def test_model_stays_on_its_attention_and_cache_is_an_hf_cache():
     assert model.config._attn_implementation == before
     cache = TreeCache(model.config, num_pages=4)
     assert isinstance(cache, transformers.cache_utils.Cache) and len(cache.layers) == 2
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_tree_cache_keeps_trees_over_rounds_and_commits(family):
+    """HFTreeModel on a TreeCache: a tree grown over two forwards, its commit and a plain append afterwards
+    give the logits of HF's own forward over each node's root-to-node path (sliding windows and soft-caps included)."""
+    model = _model(family)
+    tree_model = HFTreeModel(model)
+    prompt = [5, 17, 33, 8, 21, 40, 11]
+    cache = tree_model.new_cache(8, page_size=4)
+    cache.add_sequence("s")
+
+    def run(tokens, parents=None):
+        return tree_model.forward(cache, ["s"], torch.tensor(tokens), [len(tokens)], parents).logits
+
+    def dense(path):
+        with torch.no_grad():
+            return model(torch.tensor([prompt + path])).logits[0, -1]
+
+    with tree_model.attention():
+        run(prompt)
+        first = run([50, 51, 52], [[-1, 0, 0]])  # nodes 0-2: a root and two children
+        second = run([53, 54], [[1, 3]])  # nodes 3-4 below node 1, indices over both rounds
+        cache.commit_accepted(["s"], [4])
+        after = run([55])
+    for got, path in [(first[2], [50, 52]), (second[0], [50, 51, 53]), (second[1], [50, 51, 53, 54]),
+                      (after[0], [50, 51, 53, 54, 55])]:
+        torch.testing.assert_close(got, dense(path), atol=1e-4, rtol=1e-4)
 
 
 def test_drafter_gets_the_models_final_hidden_state():

@@ -75,6 +75,7 @@ class HFTreeModel:
         finally:
             self.model.set_attn_implementation(before)
 
+    @torch.inference_mode()
     def forward(self, cache: TreeCache, seq_ids: Sequence, input_ids: torch.Tensor, append_lengths: Sequence[int],
                 tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """Append ``input_ids`` (packed, ``append_lengths[b]`` for ``seq_ids[b]``); logits and last hidden states
