@@ -6,6 +6,8 @@ greedy tree speculative decoding through the "treeattn" attention must give the 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -166,6 +168,12 @@ def test_model_stays_on_its_attention_and_cache_is_an_hf_cache():
     assert model.config._attn_implementation == before
     cache = TreeCache(model.config, num_pages=4)
     assert isinstance(cache, transformers.cache_utils.Cache) and len(cache.layers) == 2
+    # A model loaded with the "treeattn" attention runs as is and gives the same tokens.
+    loaded = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(model.config),
+                                                           attn_implementation="treeattn").eval()
+    loaded.load_state_dict(model.state_dict())
+    assert loaded.config._attn_implementation == "treeattn"
+    assert torch.equal(speculative_generate(loaded, ids, max_new_tokens=8), _hf_greedy(model, ids, None, 8))
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])
