@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from .tree import MAX_TREE_SIZE
+from .tree import MAX_TREE_SIZE, check_tree_order
 
 if TYPE_CHECKING:  # pragma: no cover
     from .backends.base import AttentionSpec, Backend
@@ -104,58 +104,6 @@ def _check_indptr(host: np.ndarray, name: str, batch_size: int | None, total: in
     if total is not None and host[-1] != total:
         raise ValueError(f"{name}[-1] = {host[-1]} must equal {what} = {total}")
     return host
-
-
-def check_tree_order(order_host: np.ndarray, tree_starts: np.ndarray, tree_sizes: np.ndarray) -> None:
-    """Each tree's ``(enter, exit)`` must be a DFS numbering: enters a permutation of ``0..n-1``,
-    ``enter < exit <= n``, and intervals nested or disjoint (then they describe a forest).
-
-    Vectorised over the whole batch (no per-request Python loop: this runs every forward step).
-    Trees are laid side by side, tree ``b``'s preorder slot ``e`` at ``offset_b + e``, so one
-    interval family covers the batch and intervals of different trees are disjoint.
-    """
-    sizes = tree_sizes.astype(np.int64)
-    total = int(sizes.sum())
-    if total == 0:
-        return
-    offsets = np.cumsum(sizes) - sizes
-    owner = np.repeat(np.arange(sizes.shape[0]), sizes)  # request of every node
-    rows = np.repeat(tree_starts.astype(np.int64) - offsets, sizes) + np.arange(total)
-    enter, exit_, n = order_host[rows, 0], order_host[rows, 1], sizes[owner]
-
-    def fail(node: int, what: str):
-        b = int(owner[node])
-        start, size = int(tree_starts[b]), int(sizes[b])
-        raise ValueError(f"tree_order[{start}:{start + size}] (request {b}): {what}")
-
-    slot = offsets[owner] + enter
-    in_range = (enter >= 0) & (enter < n)
-    taken = np.bincount(slot[in_range], minlength=total)
-    if not in_range.all() or (taken != 1).any():
-        node = int(np.argmin(in_range)) if not in_range.all() else int(np.flatnonzero(taken[slot] != 1)[0])
-        fail(node, f"enter values must be a permutation of 0..{int(n[node]) - 1}")
-    bad_exit = np.flatnonzero((exit_ <= enter) | (exit_ > n))
-    if bad_exit.size:
-        fail(int(bad_exit[0]), f"each exit must satisfy enter < exit <= tree size {int(n[bad_exit[0]])}")
-    # Laminar: every interval starting strictly inside [e, x) must end by x, i.e. the largest end
-    # among slots e+1 .. x-1 is <= x. Range maxima come from a sparse table (log2(max n) levels).
-    lo, hi = slot + 1, offsets[owner] + exit_  # per node: the slots strictly inside its interval, [lo, hi)
-    end_at = np.empty(total, dtype=np.int64)  # per slot: where the interval starting there ends
-    end_at[slot] = hi
-    span = hi - lo
-    level = np.zeros(total, dtype=np.int64)
-    has = span > 0
-    level[has] = np.floor(np.log2(span[has])).astype(np.int64)
-    table, worst = end_at, np.full(total, -1, dtype=np.int64)
-    for k in range(int(level.max()) + 1 if has.any() else 0):
-        if k:  # table[i] = max(end_at[i : i + 2**k])
-            half = 1 << (k - 1)
-            table = np.maximum(table[:-half], table[half:])
-        sel = has & (level == k)
-        worst[sel] = np.maximum(table[lo[sel]], table[hi[sel] - (1 << k)])
-    crossing = np.flatnonzero(worst > hi)
-    if crossing.size:
-        fail(int(crossing[0]), "intervals overlap without nesting; not a DFS (enter, exit) order")
 
 
 @dataclass(eq=False)

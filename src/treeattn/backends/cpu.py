@@ -135,7 +135,7 @@ def _job(plan: TreeAttentionPlan, b: int, h_kv: int, group: int, dtype: torch.dt
         visible = torch.ones(qo, cols.shape[0], dtype=torch.bool)
         if n:
             start = int(plan.tree_starts[b])
-            tree = ancestor_mask(plan.tree_order[start:start + n].cpu())[n - qo:]
+            tree = ancestor_mask(plan.tree_order[start:start + n].cpu(), check=False)[n - qo:]  # the plan checked it
             in_tree = cols >= prefix
             visible[:, in_tree] = tree[:, cols[in_tree] - prefix]
         if window is not None:

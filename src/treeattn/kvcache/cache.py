@@ -50,10 +50,11 @@ import torch
 
 from .. import ops
 from ..backends import AttentionSpec, select
+from ..checks import int_vector
 from ..layout import PagedKV, slots
 from ..ops import FLOAT_DTYPES, check_float, check_heads, resolve_sm_scale
 from ..rope import RoPE
-from ..tree import TokenTree, as_parents, order_and_depth
+from ..tree import TokenTree, ancestor_path, as_parents, encode_trees
 from .pages import OutOfPagesError, PagePool, SequenceState, num_pages_for
 from .step import Step, StepPlan, plan_step
 
@@ -120,19 +121,7 @@ def _int(x, name: str) -> int:
 
 def _int_vector(x, name: str) -> np.ndarray:
     """A 1-D int64 array from a list, numpy array, tensor or ``TokenTree`` (values unchecked)."""
-    if isinstance(x, TokenTree):
-        x = x.parents
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    try:
-        arr = np.asarray(x)
-    except ValueError as exc:
-        raise ValueError(f"{name} must be a 1-D sequence of ints: {exc}") from None
-    if arr.dtype == bool or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(f"{name} must hold ints, got {arr.dtype if arr.dtype != object else 'objects'}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    return arr.astype(np.int64)
+    return int_vector(x.parents if isinstance(x, TokenTree) else x, name)
 
 
 def _id_list(seq_ids, name: str) -> list:
@@ -333,15 +322,18 @@ class PagedKVCache:
             raise OutOfPagesError(needed, self._pool.num_free, self.num_pages,
                                   f"this forward ({sum(lengths)} new tokens)")
 
-        states, positions = [], []
+        # Every sequence's accumulated tree encoded in one call (no per-node or per-tree Python loop).
+        indptr, orders, depths = encode_trees([p for p in trees if p is not None], name="tree_parents")
+        states, positions, t = [], [], 0
         for s, a, parents in zip(seqs, lengths, trees):
             if parents is None:
                 states.append(s.tree_state())
                 positions.append(np.arange(s.length, s.length + a))
             else:
-                order, depth = order_and_depth(parents)
-                states.append((parents, order, depth))
-                positions.append(s.committed_len + depth[-a:])
+                lo, hi = indptr[t], indptr[t + 1]
+                t += 1
+                states.append((parents, orders[lo:hi], depths[lo:hi]))
+                positions.append(s.committed_len + depths[hi - a:hi])
 
         fresh = self._pool.allocate(needed)
         cow_dst = dict(zip(cow, fresh[:len(cow)].tolist()))
@@ -474,9 +466,8 @@ class PagedKVCache:
         src, dst, kept = [], [], []
         for s, leaf in zip(seqs, leaves.tolist()):
             base, path = s.committed_len, np.zeros(0, dtype=np.int64)
-            if leaf >= 0:  # ancestors-or-self of the leaf, by the interval test; ascending = root first
-                enter, exit_ = s.order[:, 0], s.order[:, 1]
-                path = np.flatnonzero((enter <= enter[leaf]) & (enter[leaf] < exit_))
+            if leaf >= 0:  # ancestors-or-self of the leaf, root first
+                path = ancestor_path(s.order, leaf)
                 moved = np.flatnonzero(path != np.arange(path.shape[0]))
                 src.append(slots(s.pages, base + path[moved], self.page_size))
                 dst.append(slots(s.pages, base + moved, self.page_size))
