@@ -1,0 +1,18 @@
+"""Tree speculative decoding for HF transformers models, with no model code of our own.
+
+Importing this package registers the ``"treeattn"`` attention implementation (and its mask function)
+with transformers. ``speculative_generate(model, input_ids, max_new_tokens=...)`` is the entry point::
+
+    from transformers import AutoModelForCausalLM
+    from treeattn.hf import speculative_generate
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    out = speculative_generate(model, input_ids, max_new_tokens=64)   # == model.generate(do_sample=False)
+"""
+
+from .attention import ATTN_IMPLEMENTATION, TreeCache, tree_attention_forward
+from .generate import speculative_generate
+from .model import HFTreeModel, check_model
+
+__all__ = ["ATTN_IMPLEMENTATION", "HFTreeModel", "TreeCache", "check_model", "speculative_generate",
+           "tree_attention_forward"]

@@ -1,0 +1,96 @@
+"""An HF causal LM seen through treeattn's model protocol (``new_cache`` and ``forward``), so that
+``treeattn.speculative.generate`` drives it exactly as it drives treeattn's compact model."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from ..models.llama import ModelOutput
+from .attention import ATTN_IMPLEMENTATION, TreeCache
+
+__all__ = ["HFTreeModel", "check_model"]
+
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def check_model(model) -> None:
+    """Raise ``TypeError``/``ValueError`` naming why ``model`` cannot verify trees through treeattn."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    name, config = type(model).__name__, model.config.get_text_config()
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; treeattn verifies trees on decoder-only models")
+    if not model.can_generate():
+        raise ValueError(f"{name} has no language-model head (it cannot generate); load it with "
+                         "AutoModelForCausalLM")
+    if getattr(config, "attention_chunk_size", None):
+        raise ValueError(f"{name} uses chunked attention (attention_chunk_size), which treeattn does not provide")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise ValueError(f"{name} is configured for bidirectional attention; tree verification needs a causal model")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_LAYERS)
+    if other:
+        raise ValueError(f"{name} has layers of type {other} (recurrent or hybrid): their state cannot branch "
+                         "into a tree; treeattn verifies trees on attention-only models")
+    if not type(model)._supports_attention_backend:
+        raise ValueError(f"{name} runs custom attention code that does not go through HF's AttentionInterface, "
+                         "so treeattn cannot supply its attention")
+
+
+class HFTreeModel:
+    """Runs ``model`` (an HF causal LM) with the ``"treeattn"`` attention on a ``TreeCache``.
+
+    ``forward`` packs every sequence's new tokens into one row (``input_ids [1, T]``) at the tree
+    positions the cache planned, so RoPE of any kind (partial, scaled, per layer type) is the model's own.
+    """
+
+    def __init__(self, model):
+        check_model(model)
+        self.model = model
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+        # transformers renamed forward's past_key_values to cache (5.2x); pass whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def new_cache(self, num_pages: int, *, page_size: int = 16, backend: str | None = None) -> TreeCache:
+        return TreeCache(self.model.config, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
+                         device=self.device, backend=backend)
+
+    @contextlib.contextmanager
+    def attention(self):
+        """The model runs "treeattn" inside, and whatever it ran before afterwards."""
+        before = self.model.config._attn_implementation
+        if before == ATTN_IMPLEMENTATION:
+            yield
+            return
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(before)
+
+    @torch.inference_mode()
+    def forward(self, cache: TreeCache, seq_ids: Sequence, input_ids: torch.Tensor, append_lengths: Sequence[int],
+                tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None) -> ModelOutput:
+        """Append ``input_ids`` (packed, ``append_lengths[b]`` for ``seq_ids[b]``); logits and last hidden states
+        of ``logits_rows`` (default: all). The call of ``LlamaTreeModel.forward``, on an HF model."""
+        info = cache.paged.begin_forward(seq_ids, append_lengths, tree_parents)
+        rows = 0 if logits_rows is None else logits_rows.to(self.device)  # 0: HF's "all rows"
+        try:
+            out = self.model(input_ids=input_ids.to(self.device)[None], position_ids=info.positions.long()[None],
+                             use_cache=True, logits_to_keep=rows, output_hidden_states=True,
+                             treeattn_cache=cache, **{self._cache_kwarg: cache})
+        except BaseException:
+            cache.paged.abort_forward()
+            raise
+        cache.paged.end_forward()
+        hidden = out.hidden_states[-1][0]
+        if logits_rows is not None:
+            hidden = hidden[rows]
+        return ModelOutput(out.logits[0].float(), hidden)
