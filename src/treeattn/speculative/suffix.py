@@ -170,17 +170,17 @@ class SuffixDrafter:
 
     def _expand(self, ref):
         """Children of a trie node as ``(path probability, token, ref)``; ``ref = (node, path
-        probability, share among siblings, occurrences of the parent)``."""
-        node, score = ref[0], ref[1]
+        probability, share among siblings, occurrences of the parent, draft depth)``."""
+        node, score, depth = ref[0], ref[1], ref[4]
         kids = self._kids[node]
-        if not kids:
+        if not kids or depth == self.max_depth:
             return []
         total = sum(self._count[c] for c in kids.values())
         best = sorted(kids.items(), key=lambda kv: (-self._count[kv[1]], kv[0]))[: self.max_children]
         out = []
         for t, c in best:
             share = self._count[c] / total
-            out.append((score * share, t, (c, score * share, share, total)))
+            out.append((score * share, t, (c, score * share, share, total, depth + 1)))
         return out
 
     def candidates(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[Candidates]:
@@ -193,7 +193,7 @@ class SuffixDrafter:
             if node < 0 or self.budget == 1:
                 out.append(Candidates.root_only(root))
                 continue
-            tokens, parents, refs = grow(root, lambda ref: self._expand((node, 1.0) if ref is None else ref),
+            tokens, parents, refs = grow(root, lambda ref: self._expand((node, 1.0, 1.0, 0, 0) if ref is None else ref),
                                          self.budget)
             keys, prior = np.zeros(len(tokens), np.int64), np.ones(len(tokens))
             for i in range(1, len(tokens)):
