@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeattn
-from treeattn.backends import available_backends
+from treeattn.backends import AttentionSpec, available_backends, get_backend
 from treeattn.lse import EMPTY_LSE
 
 BACKENDS = [b for b in available_backends("cpu") if b not in ("reference", "triton")]
@@ -75,6 +75,13 @@ def test_mixed_batch(backend, paged, page_size, dtype):
     assert (out[empty:empty + 2] == 0).all() and (lse[empty:empty + 2] == EMPTY_LSE).all()
 
 
+def cpu_jobs(plan, batch: Batch, threads: int):
+    """The CPU backend's work list for ``plan`` (its typed per-step state, as the last run left it)."""
+    spec = AttentionSpec(batch.q.device, batch.q.dtype, batch.q.shape[1], batch.k.shape[1], batch.q.shape[2],
+                         batch.v.shape[2])
+    return plan.state(get_backend("cpu"), spec).jobs(threads)
+
+
 @pytest.fixture
 def threads(request):
     """Run the test with ``request.param`` torch threads (the CPU backend picks its prefix split from it)."""
@@ -97,7 +104,7 @@ def test_long_prefix(backend, paged, dtype, threads):
     check(batch, backend, paged=paged)
     plan = treeattn.TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
     treeattn.tree_attention(*batch.ragged_args(), backend=backend, plan=plan)
-    segments = [job.segments for key, jobs in plan.cache.items() if key[0] == "cpu.jobs" for job in jobs]
+    segments = [job.segments for job in cpu_jobs(plan, batch, threads)]
     assert [len(s) for s in segments] == [3, 2, 1]  # the multi-piece path really ran
 
 
@@ -149,7 +156,7 @@ def test_batched_prefix_chunks_for_idle_threads(backend, threads):
     check(batch, backend, paged=True)
     plan = treeattn.TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
     treeattn.tree_attention(*batch.ragged_args(), backend=backend, plan=plan)
-    chunks = [job.batched_chunks for key, jobs in plan.cache.items() if key[0] == "cpu.jobs" for job in jobs]
+    chunks = [job.batched_chunks for job in cpu_jobs(plan, batch, threads)]
     assert chunks == [4, 2]  # the batched path really ran
 
 

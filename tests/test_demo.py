@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from treeattn import demo
+from treeattn.cli import demo
 from treeattn.models import loader
 from treeattn.speculative import NGramDrafter
 from treeattn.speculative.generate import generate

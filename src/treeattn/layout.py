@@ -20,11 +20,12 @@ the same addressing as three element strides per tensor (``PagedKV.strides``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["KV_LAYOUTS", "PagedKV", "slots"]
+__all__ = ["KV_LAYOUTS", "PagedKV", "SlotIndex", "slots"]
 
 KV_LAYOUTS = ("TVM", "NHD", "HND")
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,6 +34,18 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 def slots(page_table: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
     """Slot ``page * page_size + offset`` of each token position of a request whose pages are ``page_table``."""
     return page_table[positions // page_size] * page_size + positions % page_size
+
+
+class SlotIndex(NamedTuple):
+    """Slots as ``(page, offset)`` index tensors on the pages' device: compute once, read or write every layer."""
+
+    page: torch.Tensor
+    offset: torch.Tensor
+
+    @classmethod
+    def of(cls, slot_ids, page_size: int, device: torch.device | str) -> SlotIndex:
+        s = torch.as_tensor(np.asarray(slot_ids, dtype=np.int64)).to(device)
+        return cls(s // page_size, s % page_size)
 
 
 def _check_pages(x, name: str, ndim: int) -> torch.Tensor:
@@ -137,17 +150,16 @@ class PagedKV:
 
     # ------------------------------------------------------------------ tokens by slot
 
-    def _index(self, slot_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.as_tensor(np.asarray(slot_ids, dtype=np.int64)).to(self.device)
-        return s // self.page_size, s % self.page_size
+    def _index(self, slots_) -> SlotIndex:
+        return slots_ if isinstance(slots_, SlotIndex) else SlotIndex.of(slots_, self.page_size, self.device)
 
     def read(self, slot_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the tokens in ``slot_ids``: ``k [n, h_kv, d]``, ``v [n, h_kv, d_v]``."""
+        """Copies of the tokens in ``slot_ids`` (slot ids or a ``SlotIndex``): ``k [n, h_kv, d]``, ``v [n, h_kv, d_v]``."""
         page, offset = self._index(slot_ids)
         return self.k[page, offset], self.v[page, offset]
 
     def write(self, slot_ids, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k [n, h_kv, d]`` and ``v [n, h_kv, d_v]`` into ``slot_ids``, in place."""
+        """Store ``k [n, h_kv, d]`` and ``v [n, h_kv, d_v]`` into ``slot_ids`` (or a ``SlotIndex``), in place."""
         page, offset = self._index(slot_ids)
         self.k.index_put_((page, offset), k)
         if not self.shares_storage():
@@ -162,6 +174,34 @@ class PagedKV:
         """A request's first ``length`` tokens, read from its ``page_table`` in order (copies)."""
         table = np.asarray(page_table, dtype=np.int64)
         return self.read(slots(table, np.arange(length), self.page_size))
+
+    @staticmethod
+    def gather_heads(x: torch.Tensor, page_ids: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Copy pages ``page_ids`` of ``x`` (``k`` or ``v``) into ``buf`` (flat, large enough) and return them as
+        ``[h_kv, len(page_ids) * page_size, d]`` with one key stride per head, as a flash kernel reads keys.
+
+        One row gather when the layout allows: a ``[page_size, d]`` slab per (page, head) is contiguous in
+        TVM's and the HND layout, a ``[page_size, h_kv, d]`` block per page in NHD (the result is then
+        token-major). Other strides take a general, slower gather.
+        """
+        _, ps, h, d = x.shape
+        n = page_ids.shape[0]
+        sp, st, sh = PagedKV.strides(x)
+        slab, block = ps * d, ps * h * d
+        if st == d and sp % slab == 0 and sh % slab == 0:
+            rows = x.as_strided((((x.shape[0] - 1) * sp + (h - 1) * sh) // slab + 1, slab), (slab, 1))
+            index = (page_ids[None, :] * (sp // slab) + torch.arange(h)[:, None] * (sh // slab)).reshape(-1)
+            out = buf[:h * n * slab].view(h * n, slab)
+            torch.index_select(rows, 0, index, out=out)
+            return out.view(h, n * ps, d)
+        if sh == d and st == h * d and sp % block == 0:
+            rows = x.as_strided(((x.shape[0] - 1) * sp // block + 1, block), (block, 1))
+            out = buf[:n * block].view(n, block)
+            torch.index_select(rows, 0, page_ids * (sp // block), out=out)
+            return out.view(n * ps, h, d).transpose(0, 1)
+        out = buf[:n * block].view(h, n, ps, d)
+        torch.index_select(x.permute(2, 0, 1, 3), 1, page_ids, out=out)
+        return out.view(h, n * ps, d)
 
     def shares_storage(self) -> bool:
         """True when V is a view of K's own values (MLA: V = the first ``d_v`` dims of the latent K),

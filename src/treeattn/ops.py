@@ -1,19 +1,28 @@
-"""Public operators: check every argument, plan the batch, dispatch to a backend."""
+"""Public operators: check every argument, plan the batch, pick a backend by capability, run it.
+
+Every call goes the same way, from users and from the KV cache alike: validate the tensors, take
+the ``TreeAttentionPlan`` (built here when none is given), describe the call as an
+``AttentionSpec``, let ``backends.select`` pick the backend that can run it, fetch that backend's
+per-step state from the plan (built once per step), then run.
+"""
 
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 import torch
 
-from .backends import get_backend
+from .backends import AttentionSpec, select
+from .layout import PagedKV
 from .plan import TreeAttentionPlan, check_index_tensor
 from .rope import RoPE
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_float(x, name: str, ndim: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
+def check_float(x, name: str, ndim: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
+    """A float16/bfloat16/float32 tensor of ``ndim`` dims with a contiguous last dimension."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
@@ -28,40 +37,43 @@ def _check_float(x, name: str, ndim: int, dtype: torch.dtype | None = None, devi
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
 
 
-def _check_heads(h_q: int, h_kv: int, d_q: int, d_kv: int, kv_name: str) -> None:
+def check_heads(h_q: int, h_kv: int, d_q: int, d_kv: int, kv_name: str) -> None:
+    """GQA grouping and matching query/key head dims."""
+    if h_q == 0:
+        raise ValueError("q has 0 heads; it needs at least one query head")
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"q has {h_q} heads, which must be a multiple of {kv_name}'s {h_kv} KV heads (GQA groups)")
-    if d_q != d_kv:
-        raise ValueError(f"q has head dim {d_q} but {kv_name} has head dim {d_kv}")
     if d_q == 0:
         raise ValueError("head dim must be positive")
+    if d_q != d_kv:
+        raise ValueError(f"q has head dim {d_q} but {kv_name} has head dim {d_kv}")
 
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, (torch.Tensor, bool)) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a Python float, got {type(sm_scale).__name__}")
+    if isinstance(sm_scale, (bool, torch.Tensor)) or not isinstance(sm_scale, Real):  # numpy scalars are Real
+        raise TypeError(f"sm_scale must be a real number, got {type(sm_scale).__name__}")
+    sm_scale = float(sm_scale)
     if not math.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be finite and > 0, got {sm_scale}")
-    return float(sm_scale)
+    return sm_scale
 
 
-def _outputs(q: torch.Tensor, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, heads, dim = q.shape
+def _outputs(rows: int, heads: int, dim: int, like: torch.Tensor, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty(rows, heads, dim, dtype=like.dtype, device=like.device)
     else:
-        _check_float(out, "out", 3, q.dtype, q.device)
+        check_float(out, "out", 3, like.dtype, like.device)
         if tuple(out.shape) != (rows, heads, dim) or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous tensor of shape {(rows, heads, dim)}, got {tuple(out.shape)}")
     if lse is None:
-        lse = torch.empty(rows, heads, dtype=torch.float32, device=q.device)
+        lse = torch.empty(rows, heads, dtype=torch.float32, device=like.device)
     else:
         if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
             raise TypeError(f"lse must be a float32 tensor, got {getattr(lse, 'dtype', type(lse).__name__)}")
-        if lse.device != q.device:
-            raise ValueError(f"lse is on {lse.device}, expected {q.device}")
+        if lse.device != like.device:
+            raise ValueError(f"lse is on {lse.device}, expected {like.device}")
         if tuple(lse.shape) != (rows, heads) or not lse.is_contiguous():
             raise ValueError(f"lse must be a contiguous tensor of shape {(rows, heads)}, got {tuple(lse.shape)}")
     return out, lse
@@ -90,14 +102,15 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
     (``tree_order[tree_indptr[b]:tree_indptr[b+1]]``) is the last keys, its queries the last nodes.
     Each row sees the whole prefix plus its ancestors. ``lse`` is base 2 of the scaled scores.
     With ``rope``, q and k are rotated at ``q_positions``/``k_positions`` first.
-    ``plan`` (from ``TreeAttentionPlan.ragged``) skips re-checking the index arrays.
+    ``plan`` (from ``TreeAttentionPlan.ragged``) skips re-checking the index arrays; arrays passed
+    with it must be the ones it was built from, or ``None``.
     """
-    _check_float(q, "q", 3)
-    _check_float(k, "k", 3, q.dtype, q.device)
-    _check_float(v, "v", 3, q.dtype, q.device)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k")
+    check_float(q, "q", 3)
+    check_float(k, "k", 3, q.dtype, q.device)
+    check_float(v, "v", 3, q.dtype, q.device)
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k and v must have the same [keys, heads], got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k")
     if plan is None:
         plan = TreeAttentionPlan.ragged(q_indptr, kv_indptr, tree_indptr, tree_order,
                                         total_q=q.shape[0], total_kv=k.shape[0], device=q.device)
@@ -105,6 +118,7 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
         _check_plan(plan, "ragged")
         if plan.device != q.device or plan.total_q != q.shape[0] or int(plan.kv_lens.sum()) != k.shape[0]:
             raise ValueError("plan was built for a different batch: its lengths or device do not match q/k")
+        plan.check_inputs(q_indptr=q_indptr, kv_indptr=kv_indptr, tree_indptr=tree_indptr, tree_order=tree_order)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[2])
     if rope is not None:
         if not isinstance(rope, RoPE):
@@ -123,55 +137,67 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
             k_positions = _check_positions(k_positions, "k_positions", k.shape[0], q.device)
     elif q_positions is not None or k_positions is not None:
         raise ValueError("q_positions/k_positions are only used with rope; pass rope=treeattn.RoPE(...)")
-    out, lse = _outputs(q, out, lse)
-    get_backend(backend, q.device).tree_attention(
-        q, k, v, plan, sm_scale=sm_scale, rope=rope, q_positions=q_positions, k_positions=k_positions,
-        out=out, lse=lse)
+    spec = AttentionSpec(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], rope=rope is not None)
+    chosen = select(backend, spec)
+    state = plan.state(chosen, spec)
+    out, lse = _outputs(q.shape[0], q.shape[1], v.shape[2], q, out, lse)
+    if rope is not None:  # TVM's inline RoPE: rotate, round to the dtype, then attend
+        q, k = chosen.rope(rope, q, q_positions), chosen.rope(rope, k, k_positions)
+    chosen.tree_attention(q, k, v, plan, state, sm_scale=sm_scale, out=out, lse=lse)
     return out, lse
 
 
 def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_page_len, tree_indptr,
-                         tree_order, *, sm_scale=None, out=None, lse=None, backend=None, plan=None):
+                         tree_order, *, kv_layout=None, sm_scale=None, out=None, lse=None, backend=None, plan=None):
     """Tree attention over a paged KV cache (TVM ``tree_attn_with_paged_kv_cache``). Returns ``(out, lse)``.
 
-    ``kv_pages [num_pages, 2, h_kv, page_size, d]`` (0 = K, 1 = V); request ``b`` owns pages
-    ``page_indices[page_indptr[b]:page_indptr[b+1]]`` in order, the last one filled to
+    ``kv_pages`` is TVM's combined ``[num_pages, 2, h_kv, page_size, d]`` tensor (0 = K, 1 = V), or a
+    ``(k_pages, v_pages)`` pair in ``kv_layout`` ``"NHD"`` (each ``[num_pages, page_size, h_kv, d]``,
+    the default for a pair) or ``"HND"`` (``[num_pages, h_kv, page_size, d]``), read in place with
+    any strides (views into a bigger engine tensor are fine; see ``treeattn.layout``). Request ``b``
+    owns pages ``page_indices[page_indptr[b]:page_indptr[b+1]]`` in order, the last one filled to
     ``last_page_len[b]``. Same masking and outputs as ``tree_attention``.
     """
-    _check_float(q, "q", 3)
-    _check_float(kv_pages, "kv_pages", 5, q.dtype, q.device)
-    if kv_pages.shape[1] != 2:
-        raise ValueError(f"kv_pages must have shape [num_pages, 2, h_kv, page_size, d], got {tuple(kv_pages.shape)}")
-    if not kv_pages.is_contiguous():
-        raise ValueError("kv_pages must be contiguous")
-    if kv_pages.shape[3] < 1:
-        raise ValueError("kv_pages has page_size 0")
-    _check_heads(q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], "kv_pages")
+    check_float(q, "q", 3)
+    kv = PagedKV.wrap(kv_pages, kv_layout)
+    name = "kv_pages" if kv.layout == "TVM" else "k_pages"
+    if kv.dtype != q.dtype:
+        raise TypeError(f"{name} has dtype {kv.dtype}, expected {q.dtype} (the dtype of q)")
+    if kv.device != q.device:
+        raise ValueError(f"{name} is on {kv.device}, expected {q.device} (all inputs of one call on one device)")
+    check_heads(q.shape[1], kv.num_kv_heads, q.shape[2], kv.head_dim, name)
     if plan is None:
         plan = TreeAttentionPlan.paged(q_indptr, page_indptr, page_indices, last_page_len, tree_indptr, tree_order,
-                                       page_size=kv_pages.shape[3], num_pages=kv_pages.shape[0],
-                                       total_q=q.shape[0], device=q.device)
+                                       page_size=kv.page_size, num_pages=kv.num_pages, total_q=q.shape[0],
+                                       device=q.device)
     else:
         _check_plan(plan, "paged")
-        if plan.device != q.device or plan.total_q != q.shape[0] or plan.page_size != kv_pages.shape[3]:
+        if plan.device != q.device or plan.total_q != q.shape[0] or plan.page_size != kv.page_size:
             raise ValueError("plan was built for a different batch: its lengths, page size or device do not match")
-        if plan.page_id_bound > kv_pages.shape[0]:  # kernels would read past the end of kv_pages
-            raise ValueError(f"plan uses page id {plan.page_id_bound - 1}, "
-                             f"but kv_pages has only {kv_pages.shape[0]} pages")
+        if plan.page_id_bound > kv.num_pages:  # kernels would read past the end of the pages
+            raise ValueError(f"plan uses page id {plan.page_id_bound - 1}, but {name} has only {kv.num_pages} pages")
+        plan.check_inputs(q_indptr=q_indptr, page_indptr=page_indptr, page_indices=page_indices,
+                          last_page_len=last_page_len, tree_indptr=tree_indptr, tree_order=tree_order)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[2])
-    out, lse = _outputs(q, out, lse)
-    get_backend(backend, q.device).paged_tree_attention(q, kv_pages, plan, sm_scale=sm_scale, out=out, lse=lse)
+    spec = AttentionSpec(q.device, q.dtype, q.shape[1], kv.num_kv_heads, q.shape[2], kv.v_head_dim,
+                         page_size=kv.page_size)
+    chosen = select(backend, spec)
+    state = plan.state(chosen, spec)
+    out, lse = _outputs(q.shape[0], q.shape[1], kv.v_head_dim, q, out, lse)
+    chosen.paged_tree_attention(q, kv, plan, state, sm_scale=sm_scale, out=out, lse=lse)
     return out, lse
 
 
 def merge_state(out_a, lse_a, out_b, lse_b, *, out=None, lse=None, backend=None):
     """Merge two partial attention results over disjoint key sets (base-2 LSEs). Returns ``(out, lse)``.
 
-    ``out_*`` are ``[N, H, D]`` in one dtype, ``lse_*`` are float32 ``[N, H]``. A side with
-    ``lse = -5e4`` (no keys) gets zero weight. ``out=out_a, lse=lse_a`` merges in place.
+    ``out_*`` are ``[N, H, D]`` in one dtype, ``lse_*`` are float32 ``[N, H]``. A side with no keys
+    (``lse`` equal to ``treeattn.lse.EMPTY_LSE`` or ``-inf``) gets zero weight whatever the other
+    side's LSE; two empty sides give ``out = 0, lse = EMPTY_LSE``. ``out=out_a, lse=lse_a`` merges
+    in place.
     """
-    _check_float(out_a, "out_a", 3)
-    _check_float(out_b, "out_b", 3, out_a.dtype, out_a.device)
+    check_float(out_a, "out_a", 3)
+    check_float(out_b, "out_b", 3, out_a.dtype, out_a.device)
     if out_a.shape != out_b.shape:
         raise ValueError(f"out_a and out_b must have the same shape, got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
@@ -181,6 +207,8 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, out=None, lse=None, backend=None)
             raise ValueError(f"{name} is on {x.device}, expected {out_a.device}")
         if tuple(x.shape) != tuple(out_a.shape[:2]):
             raise ValueError(f"{name} must have shape {tuple(out_a.shape[:2])}, got {tuple(x.shape)}")
-    out, lse = _outputs(out_a, out, lse)
-    get_backend(backend, out_a.device).merge_state(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
+    rows, heads, dim = out_a.shape
+    spec = AttentionSpec(out_a.device, out_a.dtype, max(heads, 1), max(heads, 1), max(dim, 1), max(dim, 1))
+    out, lse = _outputs(rows, heads, dim, out_a, out, lse)
+    select(backend, spec).merge_state(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
     return out, lse

@@ -10,13 +10,17 @@ with no device-to-host copy at all.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .tree import MAX_TREE_SIZE
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .backends.base import AttentionSpec, Backend
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -51,13 +55,38 @@ def check_index_tensor(x: Any, name: str, *, ndim: int = 1, device: torch.device
 def _index_pair(x: Any, name: str, *, ndim: int = 1, device: torch.device | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """``check_index_tensor`` plus the values as int64 on the host, with one transfer: host input
     (lists, numpy: what the KV cache passes every step) is checked there and uploaded once; a
-    tensor is downloaded once. Never a round trip host -> device -> host (a sync each on CUDA)."""
+    tensor is downloaded once. Never a round trip host -> device -> host (a sync each on CUDA).
+    The tensor returned never aliases the caller's: a plan owns its arrays."""
     if isinstance(x, (list, tuple, np.ndarray)):
         host = _host_ints(x, name)
         tensor = check_index_tensor(torch.from_numpy(host), name, ndim=ndim)
         return (tensor if device is None else tensor.to(device)), host
     tensor = check_index_tensor(x, name, ndim=ndim, device=device)
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor, which holds no values; index arrays need real values")
+    if tensor is x:
+        tensor = tensor.clone()
     return tensor, tensor.cpu().numpy().astype(np.int64)
+
+
+class _Input(NamedTuple):
+    """What a plan was built from, to recognise the same array when it is passed again."""
+
+    source: Any
+    version: int | None  # torch's in-place-modification counter of a tensor source
+    host: np.ndarray
+
+    @classmethod
+    def of(cls, source: Any, host: np.ndarray) -> _Input:
+        return cls(source, source._version if isinstance(source, torch.Tensor) else None, host)
+
+
+def _positive_int(x: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
 
 
 def _check_indptr(host: np.ndarray, name: str, batch_size: int | None, total: int | None, what: str) -> np.ndarray:
@@ -133,7 +162,10 @@ class TreeAttentionPlan:
     """Validated metadata of one batch: device index tensors plus their host copies.
 
     ``kind`` is ``"ragged"`` (keys and values in ``k``/``v`` tensors) or ``"paged"``.
-    Host arrays are int64 numpy arrays of length ``batch_size``.
+    Host arrays are int64 numpy arrays of length ``batch_size``. Backends keep what they derive
+    from a plan (work lists, device tables) through ``state``: built once, shared by every layer
+    and every thread. A plan keeps its own copies of the index arrays, so changing the caller's
+    arrays afterwards cannot change it (``check_inputs`` catches a mismatch).
     """
 
     kind: str
@@ -156,8 +188,9 @@ class TreeAttentionPlan:
     num_pages: np.ndarray | None = None
     page_indices_host: np.ndarray | None = None
     page_id_bound: int = 0  # one past the largest page id used: a reused plan needs kv_pages this large
-    # Backends keep derived data here (work partitions, device copies), computed once per plan.
-    cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    _inputs: dict[str, _Input] = field(default_factory=dict, repr=False)
+    _states: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -188,27 +221,35 @@ class TreeAttentionPlan:
                 f"the tree is the last KV positions), got qo_len={qo[b]}, tree size={n[b]}, kv_len={kv_lens[b]}"
             )
         check_tree_order(order_host, t_host[:-1], n)
-        return tree_indptr, tree_order, t_host
+        return tree_indptr, tree_order, t_host, order_host
 
     @classmethod
     def ragged(cls, q_indptr, kv_indptr, tree_indptr, tree_order, *, total_q: int | None = None,
                total_kv: int | None = None, device: torch.device | None = None) -> TreeAttentionPlan:
         """Plan a ragged batch (``tree_attention``); totals, when given, are checked against the indptrs."""
+        q_src, kv_src = q_indptr, kv_indptr
         q_indptr, q_host = _index_pair(q_indptr, "q_indptr", device=device)
         device = q_indptr.device
         kv_indptr, kv_host = _index_pair(kv_indptr, "kv_indptr", device=device)
         q_host = _check_indptr(q_host, "q_indptr", None, total_q, "q.shape[0]")
         kv_host = _check_indptr(kv_host, "kv_indptr", q_host.shape[0] - 1, total_kv, "k.shape[0]")
         kv_lens = np.diff(kv_host)
-        tree_indptr, tree_order, t_host = cls._trees(q_host, tree_indptr, tree_order, device, kv_lens)
-        return cls("ragged", device, q_indptr, tree_indptr, tree_order, q_host[:-1], np.diff(q_host), kv_lens,
+        sources = {"q_indptr": q_src, "kv_indptr": kv_src, "tree_indptr": tree_indptr, "tree_order": tree_order}
+        tree_indptr, tree_order, t_host, order_host = cls._trees(q_host, tree_indptr, tree_order, device, kv_lens)
+        plan = cls("ragged", device, q_indptr, tree_indptr, tree_order, q_host[:-1], np.diff(q_host), kv_lens,
                    t_host[:-1], np.diff(t_host), kv_indptr=kv_indptr, kv_starts=kv_host[:-1])
+        plan._record(sources, q_indptr=q_host, kv_indptr=kv_host, tree_indptr=t_host, tree_order=order_host)
+        return plan
 
     @classmethod
     def paged(cls, q_indptr, page_indptr, page_indices, last_page_len, tree_indptr, tree_order, *,
               page_size: int, num_pages: int, total_q: int | None = None,
               device: torch.device | None = None) -> TreeAttentionPlan:
         """Plan a paged batch (``paged_tree_attention``) over a pool of ``num_pages`` pages of ``page_size``."""
+        sources = {"q_indptr": q_indptr, "page_indptr": page_indptr, "page_indices": page_indices,
+                   "last_page_len": last_page_len, "tree_indptr": tree_indptr, "tree_order": tree_order}
+        page_size = _positive_int(page_size, "page_size")
+        num_pages = _positive_int(num_pages, "num_pages", minimum=0)
         q_indptr, q_host = _index_pair(q_indptr, "q_indptr", device=device)
         device = q_indptr.device
         page_indptr, p_host = _index_pair(page_indptr, "page_indptr", device=device)
@@ -232,11 +273,53 @@ class TreeAttentionPlan:
                 f"of size {page_size}"
             )
         kv_lens = np.where(npages > 0, (npages - 1) * page_size + last, 0)
-        tree_indptr, tree_order, t_host = cls._trees(q_host, tree_indptr, tree_order, device, kv_lens)
-        return cls("paged", device, q_indptr, tree_indptr, tree_order, q_host[:-1], np.diff(q_host), kv_lens,
+        tree_indptr, tree_order, t_host, order_host = cls._trees(q_host, tree_indptr, tree_order, device, kv_lens)
+        plan = cls("paged", device, q_indptr, tree_indptr, tree_order, q_host[:-1], np.diff(q_host), kv_lens,
                    t_host[:-1], np.diff(t_host), page_indptr=page_indptr, page_indices=page_indices,
                    last_page_len=last_page_len, page_size=page_size, page_starts=p_host[:-1], num_pages=npages,
                    page_indices_host=ids, page_id_bound=int(ids.max()) + 1 if ids.size else 0)
+        plan._record(sources, q_indptr=q_host, page_indptr=p_host, page_indices=ids, last_page_len=last,
+                     tree_indptr=t_host, tree_order=order_host)
+        return plan
 
     def same_q_and_kv_layout(self) -> bool:
         return self.kv_starts is not None and np.array_equal(self.q_starts, self.kv_starts) and np.array_equal(self.qo_lens, self.kv_lens)
+
+    # ------------------------------------------------------------------ inputs passed with plan=
+
+    def _record(self, sources: dict[str, Any], **hosts: np.ndarray) -> None:
+        self._inputs = {name: _Input.of(sources[name], host) for name, host in hosts.items()}
+
+    def check_inputs(self, **arrays: Any) -> None:
+        """Index arrays passed together with this plan must be the ones it was built from: the same
+        tensor, unchanged since (free to check), or equal values when they live on the host or the
+        CPU. ``None`` means "the plan's own". Anything else raises ``ValueError``: a plan never
+        silently overrides the arrays of a call."""
+        for name, x in arrays.items():
+            if x is None:
+                continue
+            rec = self._inputs[name]
+            if x is rec.source and (rec.version is None or x._version == rec.version):
+                continue
+            if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+                raise ValueError(f"{name} is not the tensor this plan was built from, or was changed in place since: "
+                                 f"pass None (the plan's own {name}) or build a new plan")
+            host = (x.detach().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(np.int64).reshape(-1)
+            if host.shape != rec.host.reshape(-1).shape or not np.array_equal(host, rec.host.reshape(-1)):
+                raise ValueError(f"{name} holds other values than the {name} this plan was built from: pass None "
+                                 f"(the plan's own) or build a new plan with TreeAttentionPlan.{self.kind}(...)")
+
+    # ------------------------------------------------------------------ backend state
+
+    def state(self, backend: Backend, spec: AttentionSpec) -> Any:
+        """The per-step state ``backend`` derives from this plan for calls like ``spec``: built on first use
+        (under a lock, so threads sharing the plan build it once) and reused by every later layer."""
+        key = (backend.name, spec)
+        try:
+            return self._states[key]
+        except KeyError:
+            pass
+        with self._lock:
+            if key not in self._states:
+                self._states[key] = backend.plan(self, spec)
+            return self._states[key]

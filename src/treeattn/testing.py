@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .layout import PagedKV, slots
 from .tree import pack_trees
 
 # ---------------------------------------------------------------- trees
@@ -121,20 +122,19 @@ def make_batch(requests, *, h_q: int = 4, h_kv: int = 2, d: int = 64, dtype=torc
 
 
 def paginate(k, v, kv_lens, page_size, gen, spare_pages=3, shuffle=True) -> dict:
-    """Scatter ragged keys into ``[num_pages, 2, h_kv, page_size, d]`` pages with shuffled ids."""
+    """Scatter ragged keys into TVM's ``[num_pages, 2, h_kv, page_size, d]`` pages with shuffled ids
+    (unused slots hold large garbage, so a kernel that reads them fails)."""
     counts = [-(-n // page_size) for n in kv_lens]
     total = sum(counts) + spare_pages
     ids = torch.randperm(total, generator=gen) if shuffle else torch.arange(total)
     h_kv, d = k.shape[1], k.shape[2]
-    pages = randn(gen, (total, 2, h_kv, page_size, d), k.dtype, scale=100.0)  # garbage in unused slots
+    pages = randn(gen, (total, 2, h_kv, page_size, d), k.dtype, scale=100.0)
+    kv = PagedKV.wrap(pages)
     page_indices, start, used = [], 0, 0
     for n, c in zip(kv_lens, counts):
-        mine = ids[used:used + c]
+        mine = ids[used:used + c].numpy()
         used += c
-        for j, pid in enumerate(mine.tolist()):
-            lo, hi = start + j * page_size, min(start + (j + 1) * page_size, start + n)
-            pages[pid, 0, :, : hi - lo] = k[lo:hi].transpose(0, 1)
-            pages[pid, 1, :, : hi - lo] = v[lo:hi].transpose(0, 1)
+        kv.write(slots(mine, np.arange(n), page_size), k[start:start + n], v[start:start + n])
         page_indices += mine.tolist()
         start += n
     last = [((n - 1) % page_size) + 1 if n else 0 for n in kv_lens]
@@ -144,6 +144,23 @@ def paginate(k, v, kv_lens, page_size, gen, spare_pages=3, shuffle=True) -> dict
         "page_indices": torch.tensor(page_indices, dtype=torch.int32),
         "last_page_len": torch.tensor(last, dtype=torch.int32),
     }
+
+
+def as_layout(kv_pages: torch.Tensor, layout: str):
+    """TVM's combined pages in an engine's layout: ``"TVM"`` (unchanged), ``"NHD"``/``"HND"`` (a contiguous
+    ``(k_pages, v_pages)`` pair) or ``"views"`` (NHD K and V as strided views of one
+    ``[num_pages, 2, page_size, h_kv, d]`` buffer, as vLLM allocates them). Returns ``(kv_pages, kv_layout)``."""
+    if layout == "TVM":
+        return kv_pages, None
+    k, v = kv_pages[:, 0], kv_pages[:, 1]  # [P, h_kv, page_size, d]
+    if layout == "HND":
+        return (k.contiguous(), v.contiguous()), "HND"
+    if layout == "NHD":
+        return (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()), "NHD"
+    if layout == "views":
+        buf = kv_pages.transpose(2, 3).contiguous()  # [P, 2, page_size, h_kv, d]
+        return (buf[:, 0], buf[:, 1]), "NHD"
+    raise ValueError(f"unknown layout {layout!r}")
 
 
 def to_device(batch: Batch, device) -> Batch:

@@ -15,8 +15,12 @@ while every row block of that head streams it; all partial results are merged at
 has too few (head, row-block) work items to keep every core busy (few KV heads, few rows), its prefix
 instead runs as one batch of chunks. Ragged keys are read in place (the kernel takes any key stride;
 copying them to a head-major layout first measured slower). Paged KV is gathered piece by piece, as
-whole ``page_size x d`` slabs, into a ``[2, h_kv, keys, d]`` buffer kept on the plan (the kernel needs
-a uniform key stride within a head).
+a uniform key stride within a head), from any page layout through ``treeattn.layout.PagedKV``, into a
+per-thread ``[h_kv, keys, d]`` buffer per tensor (so a plan can be shared by threads).
+
+A key a row cannot see must not reach it: the additive mask gives ``NaN + -inf = NaN`` for a NaN
+key, so a tree block whose keys or values are not all finite (checked per call: the tree is small)
+runs through the reference's exact masked formula in fp32 instead.
 
 fp16/bf16 partial results come out of the kernel rounded to the input dtype, so a merged output
 carries one extra rounding of a partial result (well within the dtype's tolerance); merge weights,
@@ -25,18 +29,19 @@ the merge itself and the LSE are fp32.
 
 from __future__ import annotations
 
-import math
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from ..layout import PagedKV
+from ..lse import EMPTY_LSE, LOG2E, merge
 from ..plan import TreeAttentionPlan
-from ..lse import EMPTY_LSE
-from ..rope import RoPE
 from ..tree import ancestor_mask
-
-LOG2E = 1.0 / math.log(2.0)
+from .base import AttentionSpec, Backend
+from .reference import masked_attention
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 # Prefixes are attended in pieces of at most this many keys, so that a head's K and V piece stays in
@@ -69,6 +74,7 @@ class _Job(NamedTuple):
     kv_len: int
     mask_start: int  # keys before this are unmasked (the prefix, or 0 when a short prefix joins the mask)
     mask: torch.Tensor | None  # additive [1, 1, rows * group, kv_len - mask_start] in the input dtype
+    tree_size: int
     segments: tuple[tuple[int, int], ...]  # unmasked pieces attended one after the other
     batched_chunks: int  # > 1: the prefix runs as one batch of this many chunks, to occupy every thread
 
@@ -107,26 +113,44 @@ def _tree_mask(order: torch.Tensor, rows: int, group: int, prefix: int, dtype: t
 
 
 def _jobs(plan: TreeAttentionPlan, h_kv: int, group: int, dtype: torch.dtype, threads: int) -> list[_Job]:
-    """Per-request work, derived once per plan (every layer of a step reuses it)."""
-    key = ("cpu.jobs", h_kv, group, dtype, threads)
-    jobs = plan.cache.get(key)
-    if jobs is None:
-        jobs = []
-        kv_starts = plan.kv_starts.tolist() if plan.kv_starts is not None else [0] * plan.batch_size
-        for b, (qs, qo, ks, kv, ts, n) in enumerate(zip(plan.q_starts.tolist(), plan.qo_lens.tolist(), kv_starts,
-                                                        plan.kv_lens.tolist(), plan.tree_starts.tolist(),
-                                                        plan.tree_sizes.tolist())):
-            if qo == 0:
-                continue
-            prefix = kv - n
-            # A short prefix joins the tree's mask: one kernel pass instead of two plus a merge.
-            mask_start = 0 if n and prefix <= _SHORT_PREFIX else prefix
-            mask = _tree_mask(plan.tree_order[ts:ts + n], qo, group, prefix - mask_start, dtype) if n else None
-            chunks = _batched_chunks(h_kv, qo * group, mask_start, threads)
-            jobs.append(_Job(b, qs, qs + qo, ks, kv, mask_start, mask,
-                             _segments(mask_start) if chunks == 1 else (), chunks))
-        plan.cache[key] = jobs
+    """Per-request work of a plan, for ``threads`` torch threads."""
+    jobs = []
+    kv_starts = plan.kv_starts.tolist() if plan.kv_starts is not None else [0] * plan.batch_size
+    for b, (qs, qo, ks, kv, ts, n) in enumerate(zip(plan.q_starts.tolist(), plan.qo_lens.tolist(), kv_starts,
+                                                    plan.kv_lens.tolist(), plan.tree_starts.tolist(),
+                                                    plan.tree_sizes.tolist())):
+        if qo == 0:
+            continue
+        prefix = kv - n
+        # A short prefix joins the tree's mask: one kernel pass instead of two plus a merge.
+        mask_start = 0 if n and prefix <= _SHORT_PREFIX else prefix
+        mask = _tree_mask(plan.tree_order[ts:ts + n], qo, group, prefix - mask_start, dtype) if n else None
+        chunks = _batched_chunks(h_kv, qo * group, mask_start, threads)
+        jobs.append(_Job(b, qs, qs + qo, ks, kv, mask_start, mask, n,
+                         _segments(mask_start) if chunks == 1 else (), chunks))
     return jobs
+
+
+@dataclass
+class CpuPlan:
+    """What the CPU backend derives from a plan, once: the jobs (per torch thread count, which decides
+    how a prefix is split) and, for paged plans, each request's page ids as a tensor."""
+
+    plan: TreeAttentionPlan
+    spec: AttentionSpec
+    page_ids: list[torch.Tensor] | None
+    _jobs: dict[int, list[_Job]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def jobs(self, threads: int) -> list[_Job]:
+        jobs = self._jobs.get(threads)
+        if jobs is None:
+            with self._lock:
+                jobs = self._jobs.get(threads)
+                if jobs is None:
+                    jobs = _jobs(self.plan, self.spec.num_kv_heads, self.spec.group, self.spec.dtype, threads)
+                    self._jobs[threads] = jobs
+        return jobs
 
 
 def _attend(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float,
@@ -228,74 +252,87 @@ def _run_jobs(q, h_kv: int, jobs: list[_Job], fetch: _Fetch, sm_scale: float, ou
             parts.append(_attend(qp, k[None], v[None], None, sm_scale, threads))
         if job.mask is not None:
             k, v = fetch(job, job.mask_start, job.kv_len)
-            parts.append(_attend(qp, k[None], v[None], job.mask, sm_scale, threads))
+            tree = slice(k.shape[1] - job.tree_size, None)  # the keys some rows cannot see
+            if bool(torch.isfinite(k[:, tree]).all()) and bool(torch.isfinite(v[:, tree]).all()):
+                parts.append(_attend(qp, k[None], v[None], job.mask, sm_scale, threads))
+            else:
+                parts.append(_exact_masked(q[qs:qe], k, v, job.mask, sm_scale))
         _write(parts, out[qs:qe], lse[qs:qe], h_kv)
 
 
-def tree_attention(q, k, v, plan: TreeAttentionPlan, *, sm_scale: float, rope: RoPE | None,
-                   q_positions, k_positions, out: torch.Tensor, lse: torch.Tensor) -> None:
-    if rope is not None:  # rounds to the dtype after rotating, as TVM's kernels do
-        q = rope.apply(q, q_positions)
-        k = rope.apply(k, k_positions)
-    h_kv = k.shape[1]
-    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [h_kv, Lkv, d] views: the kernel reads them in place
-
-    def fetch(job: _Job, start: int, end: int):
-        return keys[:, job.kv_start + start:job.kv_start + end], values[:, job.kv_start + start:job.kv_start + end]
-
-    threads = torch.get_num_threads()
-    _run(q, h_kv, _jobs(plan, h_kv, q.shape[1] // h_kv, q.dtype, threads), fetch, sm_scale, out, lse, threads)
+def _exact_masked(q_rows, k, v, mask, sm_scale: float):
+    """The masked block through the reference formula in fp32 (keys a row cannot see are left out, so
+    non-finite values there cannot reach it), returned packed like a kernel part."""
+    h_kv, group = k.shape[0], q_rows.shape[1] // k.shape[0]
+    visible = mask[0, 0, ::group] == 0  # packed row t * group + j belongs to token t
+    o, lse2 = masked_attention(q_rows.float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), visible, sm_scale)
+    rows = q_rows.shape[0]
+    o = o.to(q_rows.dtype).view(rows, h_kv, group, -1).transpose(0, 1).reshape(1, h_kv, rows * group, -1)
+    lse_ln = (lse2 / LOG2E).view(rows, h_kv, group).transpose(0, 1).reshape(1, h_kv, rows * group)
+    return o, lse_ln
 
 
-def _page_rows(plan: TreeAttentionPlan, h_kv: int) -> list[torch.Tensor]:
-    """Per request, ``[2, h_kv, pages]``: the rows of ``kv_pages.view(-1, page_size * d)`` holding each
-    page's K (0) and V (1) slab of each head."""
-    key = ("cpu.page_rows", h_kv)
-    rows = plan.cache.get(key)
-    if rows is None:
-        ids = torch.from_numpy(plan.page_indices_host)
-        slab = torch.arange(2)[:, None, None] * h_kv + torch.arange(h_kv)[None, :, None]  # (K/V s, head h)
-        rows = [ids[start:start + count][None, None, :] * (2 * h_kv) + slab  # row (p * 2 + s) * h_kv + h
-                for start, count in zip(plan.page_starts.tolist(), plan.num_pages.tolist())]
-        plan.cache[key] = rows
-    return rows
+class CpuBackend(Backend):
+    """PyTorch's CPU flash kernel on GQA-packed rows (see the module docstring)."""
 
+    name = "cpu"
 
-def _workspace(plan: TreeAttentionPlan, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """A gather buffer kept on the plan and reused by every call of the step: a fresh multi-MB allocation
-    per call costs more in page faults than the gather itself. (So one plan must not run in two threads
-    at once.)"""
-    key = ("cpu.workspace", width, dtype)
-    buf = plan.cache.get(key)
-    if buf is None or buf.shape[0] < rows:
-        buf = torch.empty(rows, width, dtype=dtype)
-        plan.cache[key] = buf
-    return buf
+    def __init__(self):
+        # Gather buffers for paged KV, one per thread: a fresh multi-MB allocation per call costs more in
+        # page faults than the gather itself, and a buffer shared through the plan would race.
+        self._scratch = threading.local()
 
+    def unsupported(self, spec: AttentionSpec) -> str | None:
+        if spec.device.type != "cpu":
+            return f"needs CPU tensors, got tensors on {spec.device}"
+        if spec.v_head_dim != spec.head_dim:
+            return f"value head dim {spec.v_head_dim} differs from the key head dim {spec.head_dim}"
+        return None
 
-def paged_tree_attention(q, kv_pages, plan: TreeAttentionPlan, *, sm_scale: float, out: torch.Tensor,
-                         lse: torch.Tensor) -> None:
-    _, _, h_kv, page_size, d = kv_pages.shape
-    page_rows = _page_rows(plan, h_kv)
-    slabs = kv_pages.view(-1, page_size * d)
+    def plan(self, plan: TreeAttentionPlan, spec: AttentionSpec) -> CpuPlan:
+        page_ids = None
+        if plan.kind == "paged":
+            ids = torch.from_numpy(plan.page_indices_host)
+            page_ids = [ids[start:start + count] for start, count in
+                        zip(plan.page_starts.tolist(), plan.num_pages.tolist())]
+        return CpuPlan(plan, spec, page_ids)
 
-    def fetch(job: _Job, start: int, end: int):
-        # Gather the pages covering [start, end) as whole [page_size, d] slabs into [2, h_kv, keys, d]:
-        # contiguous keys per head, and small enough to stay in cache while the kernel reads them.
-        first, last = start // page_size, -(-end // page_size)
-        rows = page_rows[job.request][:, :, first:last].reshape(-1)
-        buf = _workspace(plan, rows.shape[0], slabs.shape[1], q.dtype)[:rows.shape[0]]
-        torch.index_select(slabs, 0, rows, out=buf)
-        kv = buf.view(2, h_kv, -1, d)[:, :, start - first * page_size:end - first * page_size]
-        return kv[0], kv[1]
+    def tree_attention(self, q, k, v, plan, state: CpuPlan, *, sm_scale, out, lse) -> None:
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [h_kv, Lkv, d] views: the kernel reads them in place
 
-    threads = torch.get_num_threads()
-    _run(q, h_kv, _jobs(plan, h_kv, q.shape[1] // h_kv, q.dtype, threads), fetch, sm_scale, out, lse, threads)
+        def fetch(job: _Job, start: int, end: int):
+            return keys[:, job.kv_start + start:job.kv_start + end], values[:, job.kv_start + start:job.kv_start + end]
 
+        threads = torch.get_num_threads()
+        _run(q, k.shape[1], state.jobs(threads), fetch, sm_scale, out, lse, threads)
 
-def merge_state(out_a, lse_a, out_b, lse_b, *, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Base-2 LSE merge in fp32; ``out``/``lse`` may alias ``out_a``/``lse_a``."""
-    weight_b = torch.sigmoid((lse_b - lse_a) * math.log(2.0))  # 2^lb / (2^la + 2^lb)
-    merged = torch.lerp(out_a.float(), out_b.float(), weight_b[..., None])
-    out.copy_(merged)
-    torch.logaddexp2(lse_a, lse_b, out=lse)
+    def _buffer(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.dtype != dtype or buf.numel() < elements:
+            with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+                buf = torch.empty(elements, dtype=dtype)
+            self._scratch.buf = buf
+        return buf[:elements]
+
+    def paged_tree_attention(self, q, kv: PagedKV, plan, state: CpuPlan, *, sm_scale, out, lse) -> None:
+        page_size, h_kv = kv.page_size, kv.num_kv_heads
+
+        def fetch(job: _Job, start: int, end: int):
+            # Gather the pages covering [start, end) into [h_kv, keys, d] per tensor: one key stride per
+            # head, and small enough to stay in cache while the kernel reads them.
+            first, last = start // page_size, -(-end // page_size)
+            ids = state.page_ids[job.request][first:last]
+            size = h_kv * ids.shape[0] * page_size * kv.head_dim
+            buf = self._buffer(size + h_kv * ids.shape[0] * page_size * kv.v_head_dim, q.dtype)
+            k = PagedKV.gather_heads(kv.k, ids, buf[:size])
+            v = PagedKV.gather_heads(kv.v, ids, buf[size:])
+            lo, hi = start - first * page_size, end - first * page_size
+            return k[:, lo:hi], v[:, lo:hi]
+
+        threads = torch.get_num_threads()
+        _run(q, h_kv, state.jobs(threads), fetch, sm_scale, out, lse, threads)
+
+    def merge_state(self, out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
+        o, l = merge(out_a, lse_a, out_b, lse_b, torch.float32)
+        out.copy_(o)
+        lse.copy_(l)

@@ -39,19 +39,23 @@ Semantics, precisely:
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Hashable, Sequence as SequenceABC
+import threading
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .pages import OutOfPagesError, PagePool, Sequence, num_pages_for, slots
-from .step import ForwardPlans, Step, kv_rows, plan_forward
-from ..backends import get_backend
-from ..ops import FLOAT_DTYPES, _check_float, _check_heads, resolve_sm_scale
+from .. import ops
+from ..backends import AttentionSpec, select
+from ..layout import PagedKV, slots
+from ..ops import FLOAT_DTYPES, check_float, check_heads, resolve_sm_scale
 from ..rope import RoPE
 from ..tree import TokenTree, as_parents, order_and_depth
+from .pages import OutOfPagesError, PagePool, SequenceState, num_pages_for
+from .step import Step, StepPlan, plan_step
 
 __all__ = ["ForwardInfo", "OutOfPagesError", "PagedKVCache"]
 
@@ -72,13 +76,37 @@ class ForwardInfo:
 
 
 @dataclass(eq=False)
-class _Forward:
+class _OpenForward:
+    """The cache's state between ``begin_forward`` and ``end_forward``/``abort_forward``."""
+
     info: ForwardInfo
-    plans: ForwardPlans
-    seqs: list[Sequence]
+    step: StepPlan
+    seqs: list[SequenceState]
     undo: list[tuple[int, tuple]]  # per sequence: length and tree state before the forward
     done: np.ndarray  # bool per layer
+    thread: int  # the thread that opened it: only it may run the layers
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # with rope: computed by the first layer, shared
+
+
+def _exclusive(method):
+    """Run ``method`` holding the cache's lock, failing at once if another thread holds it: the cache
+    is not thread-safe (a forward spans many calls), so concurrent use is an error, not a silent mix."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"PagedKVCache.{method.__name__}() was called while another thread is using this "
+                               "cache; a cache is not thread-safe: use one cache per thread or serialise the calls")
+        try:
+            fwd = self._fwd
+            if fwd is not None and fwd.thread != threading.get_ident():
+                raise RuntimeError(f"PagedKVCache.{method.__name__}() was called from another thread than the one "
+                                   "that opened the forward (begin_forward); a cache is not thread-safe")
+            return method(self, *args, **kwargs)
+        finally:
+            self._lock.release()
+
+    return run
 
 
 def _int(x, name: str) -> int:
@@ -110,7 +138,7 @@ def _int_vector(x, name: str) -> np.ndarray:
 def _id_list(seq_ids, name: str) -> list:
     if isinstance(seq_ids, (torch.Tensor, np.ndarray)):
         seq_ids = seq_ids.tolist()
-    if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, SequenceABC):
+    if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence):
         raise TypeError(f"{name} must be a list of sequence ids, got {type(seq_ids).__name__}")
     return list(seq_ids)
 
@@ -150,10 +178,20 @@ class PagedKVCache:
         self.kv_pages = torch.zeros(num_layers, num_pages, 2, num_kv_heads, page_size, head_dim,
                                     dtype=dtype, device=device)
         self.device = self.kv_pages.device
-        self._backend = get_backend(backend, self.device)
+        # Fail now, not at the first attention(), if the backend cannot serve this cache (the query head
+        # count is not known yet: the check uses one query head per KV head).
+        select(backend, AttentionSpec(self.device, dtype, num_kv_heads, num_kv_heads, head_dim, head_dim,
+                                      page_size=page_size))
+        self.backend = backend
+        self._layers = [PagedKV.wrap(self.kv_pages[layer]) for layer in range(num_layers)]
+        # Every layer's pages as one pool (layer l's page p is page l * num_pages + p): one copy moves a
+        # token in all layers at once.
+        self._all_layers = PagedKV.wrap(self.kv_pages.view(num_layers * num_pages, 2, num_kv_heads, page_size,
+                                                          head_dim))
         self._pool = PagePool(num_pages)
-        self._seqs: dict[Hashable, Sequence] = {}
-        self._fwd: _Forward | None = None
+        self._seqs: dict[Hashable, SequenceState] = {}
+        self._fwd: _OpenForward | None = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ queries
 
@@ -189,21 +227,22 @@ class PagedKVCache:
         """The page ids holding ``seq_id``'s tokens, in order (pages may be shared with forks)."""
         return self._get(seq_id).pages.tolist()
 
+    @_exclusive
     def get_kv(self, seq_id, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of ``seq_id``'s keys and values at ``layer``: ``k, v [seq_len, h_kv, d]``."""
         self._no_forward("get_kv")
         s, layer = self._get(seq_id), self._layer(layer)
-        pages = self.kv_pages[layer].index_select(0, torch.from_numpy(s.pages).to(self.device))
-        kv = pages.permute(1, 0, 3, 2, 4).reshape(2, -1, self.num_kv_heads, self.head_dim)[:, :s.length]
-        return kv[0].clone(), kv[1].clone()
+        return self._layers[layer].gather(s.pages, s.length)
 
     # ------------------------------------------------------------------ sequences
 
+    @_exclusive
     def add_sequence(self, seq_id) -> None:
         self._no_forward("add_sequence")
         self._check_new_id(seq_id)
-        self._seqs[seq_id] = Sequence(np.zeros(0, dtype=np.int64))
+        self._seqs[seq_id] = SequenceState(np.zeros(0, dtype=np.int64))
 
+    @_exclusive
     def fork_sequence(self, parent_id, child_id, fork_pos: int | None = None) -> None:
         """New sequence ``child_id`` holding the parent's first ``fork_pos`` tokens (default: all),
         sharing its pages copy-on-write."""
@@ -218,14 +257,16 @@ class PagedKVCache:
             raise ValueError(f"fork_pos = {pos} must be in [0, {parent.length}] (the length of sequence {parent_id!r})")
         pages = parent.pages[:num_pages_for(pos, self.page_size)].copy()
         self._pool.share(pages)
-        self._seqs[child_id] = Sequence(pages, pos)
+        self._seqs[child_id] = SequenceState(pages, pos)
 
+    @_exclusive
     def remove_sequence(self, seq_id) -> None:
         """Drop ``seq_id`` (an uncommitted tree included) and release its pages."""
         self._no_forward("remove_sequence")
         self._get(seq_id)
         self._pool.release(self._seqs.pop(seq_id).pages)
 
+    @_exclusive
     def pop(self, seq_id, n: int) -> None:
         """Remove the last ``n`` committed tokens of ``seq_id``."""
         self._no_forward("pop")
@@ -240,6 +281,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ forward
 
+    @_exclusive
     def begin_forward(self, seq_ids, append_lengths, tree_parents=None) -> ForwardInfo:
         """Reserve pages and plan one forward that appends ``append_lengths[b]`` tokens to ``seq_ids[b]``."""
         self._no_forward("begin_forward")
@@ -285,8 +327,8 @@ class PagedKVCache:
         steps = [Step(t, s.length, s.length + a, None if parents is None else st[1])
                  for t, s, a, parents, st in zip(tables, seqs, lengths, trees, states)]
         try:
-            plans = plan_forward(steps, page_size=ps, num_pages=self.num_pages, num_kv_heads=self.num_kv_heads,
-                                 device=self.device, merge_first_round=self.first_round == "merge")
+            step = plan_step(steps, page_size=ps, num_pages=self.num_pages, device=self.device,
+                             merge_first_round=self.first_round == "merge")
         except BaseException:
             self._pool.release(fresh)
             raise
@@ -295,8 +337,7 @@ class PagedKVCache:
         if cow:
             src = np.asarray([seqs[b].pages[-1] for b in cow], dtype=np.int64)
             dst = np.asarray(list(cow_dst.values()), dtype=np.int64)
-            self.kv_pages.index_copy_(1, torch.from_numpy(dst).to(self.device),
-                                      self.kv_pages.index_select(1, torch.from_numpy(src).to(self.device)))
+            self._copy_slots(self._page_slots(src), self._page_slots(dst))
             self._pool.release(src)
         undo = [(s.length, s.tree_state()) for s in seqs]
         for s, t, a, st in zip(seqs, tables, lengths, states):
@@ -305,9 +346,11 @@ class PagedKVCache:
         q_indptr = np.concatenate([[0], np.cumsum(lengths)])
         info = ForwardInfo(tuple(ids), tuple(lengths), torch.from_numpy(q_indptr.astype(np.int32)).to(self.device),
                            torch.from_numpy(np.concatenate(positions).astype(np.int32)).to(self.device))
-        self._fwd = _Forward(info, plans, seqs, undo, np.zeros(self.num_layers, dtype=bool))
+        self._fwd = _OpenForward(info, step, seqs, undo, np.zeros(self.num_layers, dtype=bool),
+                                 threading.get_ident())
         return info
 
+    @_exclusive
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   sm_scale: float | None = None) -> torch.Tensor:
         """Store this layer's new ``k, v [T, h_kv, d]`` and return the attention of ``q [T, h_q, d]``.
@@ -328,23 +371,24 @@ class PagedKVCache:
             if fwd.cos_sin is None:
                 fwd.cos_sin = self.rope.cos_sin(fwd.info.positions, self.head_dim)
             q, k = RoPE.rotate(q, *fwd.cos_sin), RoPE.rotate(k, *fwd.cos_sin)
-        kv, plans, backend = self.kv_pages[layer], fwd.plans, self._backend
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if plans.append_first:
-            self._write(kv, plans.write_rows, k, v)
-            backend.paged_tree_attention(q, kv, plans.paged, sm_scale=sm_scale, out=out, lse=lse)
+        kv, step, backend = self._layers[layer], fwd.step, self.backend
+        # The same public calls users make, with the step's plans (index arrays: the plans' own).
+        if step.append_first:
+            kv.write(step.new_slots, k, v)
+            out, _ = ops.paged_tree_attention(q, None, kv, None, None, None, None, None, sm_scale=sm_scale,
+                                              backend=backend, plan=step.paged)
         else:
-            backend.tree_attention(q, k, v, plans.ragged, sm_scale=sm_scale, rope=None, q_positions=None,
-                                   k_positions=None, out=out, lse=lse)
-            if plans.paged is not None:
-                prefix_out, prefix_lse = torch.empty_like(out), torch.empty_like(lse)
-                backend.paged_tree_attention(q, kv, plans.paged, sm_scale=sm_scale, out=prefix_out, lse=prefix_lse)
-                backend.merge_state(out, lse, prefix_out, prefix_lse, out=out, lse=lse)
-            self._write(kv, plans.write_rows, k, v)
+            out, lse = ops.tree_attention(q, None, k, v, None, None, None, sm_scale=sm_scale, backend=backend,
+                                          plan=step.ragged)
+            if step.paged is not None:
+                prefix_out, prefix_lse = ops.paged_tree_attention(q, None, kv, None, None, None, None, None,
+                                                                  sm_scale=sm_scale, backend=backend, plan=step.paged)
+                ops.merge_state(out, lse, prefix_out, prefix_lse, out=out, lse=lse, backend=backend)
+            kv.write(step.new_slots, k, v)
         fwd.done[layer] = True
         return out
 
+    @_exclusive
     def end_forward(self) -> None:
         """Close the forward; every layer must have run."""
         if self._fwd is None:
@@ -355,6 +399,7 @@ class PagedKVCache:
                                "call abort_forward() to undo the forward")
         self._fwd = None
 
+    @_exclusive
     def abort_forward(self) -> None:
         """Undo the open forward: its tokens are dropped and trees are as before ``begin_forward``."""
         if self._fwd is None:
@@ -364,6 +409,7 @@ class PagedKVCache:
             s.set_tree(tree)
         self._fwd = None
 
+    @_exclusive
     def commit_accepted(self, seq_ids, leaf_indices) -> None:
         """Keep, for each sequence, the path from its tree's root to ``leaf_indices[b]`` (-1: nothing).
 
@@ -403,7 +449,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _get(self, seq_id) -> Sequence:
+    def _get(self, seq_id) -> SequenceState:
         try:
             return self._seqs[seq_id]
         except KeyError:
@@ -446,7 +492,7 @@ class PagedKVCache:
         if tree_parents is None:
             entries = [None] * len(ids)
         else:
-            if isinstance(tree_parents, (torch.Tensor, np.ndarray, TokenTree)) or not isinstance(tree_parents, SequenceABC):
+            if isinstance(tree_parents, (torch.Tensor, np.ndarray, TokenTree)) or not isinstance(tree_parents, Sequence):
                 raise TypeError("tree_parents must be None or a list with one parent array (or None) per sequence")
             entries = list(tree_parents)
             if len(entries) != len(ids):
@@ -477,7 +523,7 @@ class PagedKVCache:
 
     def _check_qkv(self, q, k, v, rows: int) -> None:
         for name, x in (("q", q), ("k", k), ("v", v)):
-            _check_float(x, name, 3)
+            check_float(x, name, 3)
             if x.dtype != self.dtype:
                 raise TypeError(f"{name} has dtype {x.dtype}, but the cache stores {self.dtype}")
             if x.device != self.device:
@@ -486,24 +532,18 @@ class PagedKVCache:
             if tuple(x.shape) != (rows, heads, self.head_dim):
                 raise ValueError(f"{name} must have shape {(rows, heads, self.head_dim)} (new tokens of this "
                                  f"forward, {'query' if name == 'q' else 'KV'} heads, head_dim), got {tuple(x.shape)}")
-        _check_heads(q.shape[1], self.num_kv_heads, q.shape[2], self.head_dim, "the cache")
+        check_heads(q.shape[1], self.num_kv_heads, q.shape[2], self.head_dim, "the cache")
 
-    def _write(self, kv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows_of = kv.view(-1, self.head_dim)
-        rows_of.index_copy_(0, rows[0], k.reshape(-1, self.head_dim))
-        rows_of.index_copy_(0, rows[1], v.reshape(-1, self.head_dim))
+    def _page_slots(self, pages: np.ndarray) -> np.ndarray:
+        """Every slot of ``pages``, page by page."""
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()
 
     def _copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy K/V of every layer from slots ``src`` to ``dst`` (all sources read before any write)."""
-        layer_rows = self.num_pages * 2 * self.num_kv_heads * self.page_size  # rows per layer
-        base = (np.arange(self.num_layers) * layer_rows)[:, None]
-        src_rows = (base + kv_rows(src, self.num_kv_heads, self.page_size).ravel()).ravel()
-        dst_rows = (base + kv_rows(dst, self.num_kv_heads, self.page_size).ravel()).ravel()
-        rows_of = self.kv_pages.view(-1, self.head_dim)
-        moved = rows_of.index_select(0, torch.from_numpy(src_rows).to(self.device))
-        rows_of.index_copy_(0, torch.from_numpy(dst_rows).to(self.device), moved)
+        layer_base = (np.arange(self.num_layers) * self.num_pages * self.page_size)[:, None]
+        self._all_layers.copy((layer_base + src).ravel(), (layer_base + dst).ravel())
 
-    def _truncate(self, s: Sequence, length: int) -> None:
+    def _truncate(self, s: SequenceState, length: int) -> None:
         keep = num_pages_for(length, self.page_size)
         self._pool.release(s.pages[keep:])
         s.pages, s.length = s.pages[:keep], length

@@ -66,13 +66,8 @@ def num_pages_for(length: int, page_size: int) -> int:
     return -(-length // page_size)
 
 
-def slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
-    """Global slot ``page * page_size + offset`` of each token position of a sequence."""
-    return pages[positions // page_size] * page_size + positions % page_size
-
-
 @dataclass
-class Sequence:
+class SequenceState:
     """One sequence: its page table and, while a draft tree is pending, that tree.
 
     The tree (parent array over its nodes, tree-relative across rounds) is always the last

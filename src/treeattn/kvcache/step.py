@@ -1,4 +1,4 @@
-"""Turn one forward of the paged KV cache into ``TreeAttentionPlan``s, once per forward.
+"""Turn one forward of the paged KV cache into a ``StepPlan`` (kernel plans and new-token slots), once.
 
 Two ways to attend, as in TVM's runtime (tvm-semantics.md §7, §8.3):
 
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .pages import num_pages_for, slots
+from ..layout import SlotIndex, slots
 from ..plan import TreeAttentionPlan
+from .pages import num_pages_for
 
 CHAIN_CHUNK = 512
 
@@ -45,20 +46,13 @@ class Step:
 
 
 @dataclass
-class ForwardPlans:
+class StepPlan:
+    """How one forward of the cache attends: its kernel plans and where its new tokens go."""
+
     append_first: bool
     paged: TreeAttentionPlan | None  # append first: everything; merge: the cached prefix (None when empty)
     ragged: TreeAttentionPlan | None  # merge only: the new tokens with their trees
-    write_rows: torch.Tensor  # int64 [2, T * h_kv]: rows of a layer's ``kv_pages.view(-1, d)`` for new K, V
-
-
-def kv_rows(slot_ids: np.ndarray, num_kv_heads: int, page_size: int) -> np.ndarray:
-    """Rows of ``kv_pages[layer].view(-1, d)`` holding K (``[0]``) and V (``[1]``) of each slot,
-    ``[2, len(slot_ids) * num_kv_heads]``, token-major then head: one ``index_copy_`` per tensor."""
-    page, offset = slot_ids // page_size, slot_ids % page_size
-    head = np.arange(num_kv_heads)
-    k_rows = ((page[:, None] * 2 * num_kv_heads + head[None, :]) * page_size + offset[:, None]).ravel()
-    return np.stack([k_rows, k_rows + num_kv_heads * page_size])
+    new_slots: SlotIndex  # where the new tokens' K/V are stored, on the cache's device
 
 
 def chain_order(n: int) -> np.ndarray:
@@ -105,19 +99,19 @@ def _append_first_requests(steps: list[Step]) -> list[tuple]:
     return requests
 
 
-def plan_forward(steps: list[Step], *, page_size: int, num_pages: int, num_kv_heads: int, device: torch.device,
-                 merge_first_round: bool) -> ForwardPlans:
+def plan_step(steps: list[Step], *, page_size: int, num_pages: int, device: torch.device,
+              merge_first_round: bool) -> StepPlan:
     continuing = any(s.order is not None and s.order.shape[0] > s.append for s in steps)
     long_chain = any(s.order is None and s.append > CHAIN_CHUNK for s in steps)
     decode = all(s.append == 1 for s in steps)  # one token each: a single paged call is cheapest
     append_first = not merge_first_round or continuing or long_chain or decode
 
     slot_ids = np.concatenate([slots(s.pages, np.arange(s.old_len, s.new_len), page_size) for s in steps])
-    write_rows = torch.from_numpy(kv_rows(slot_ids, num_kv_heads, page_size)).to(device)
+    new_slots = SlotIndex.of(slot_ids, page_size, device)
 
     if append_first:
         paged = _paged_plan(_append_first_requests(steps), page_size, num_pages, device)
-        return ForwardPlans(True, paged, None, write_rows)
+        return StepPlan(True, paged, None, new_slots)
 
     appends = _indptr([s.append for s in steps])
     orders = [chain_order(s.append) if s.order is None else s.order for s in steps]
@@ -128,4 +122,4 @@ def plan_forward(steps: list[Step], *, page_size: int, num_pages: int, num_kv_he
     paged = None
     if any(s.old_len for s in steps):  # tree size 0: every cached token is visible
         paged = _paged_plan([(s.append, s.old_len, s.pages, None) for s in steps], page_size, num_pages, device)
-    return ForwardPlans(False, paged, ragged, write_rows)
+    return StepPlan(False, paged, ragged, new_slots)

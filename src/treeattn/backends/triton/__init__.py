@@ -39,3 +39,13 @@ def paged_tree_attention(q, kv_pages, plan: TreeAttentionPlan, *, sm_scale: floa
 
 def merge_state(out_a, lse_a, out_b, lse_b, *, out: torch.Tensor, lse: torch.Tensor) -> None:
     torch.ops.treeattn.triton_merge_state(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+from ..base import Backend as _B  # TEMP-STUB (not committed)
+
+
+class TritonBackend(_B):
+    name = "triton"
+
+    def unavailable(self):
+        return "TEMP: being ported"
