@@ -155,7 +155,10 @@ class CostModel:
     Exponentially weighted least squares (``forget`` per step: recent steps count most, so the fit
     follows the context length and the machine's load). Until steps of several sizes have been seen
     the slope is pinned by a weak prior ``b = ratio * a`` (``ratio``: the cost of one extra node
-    relative to a one-node step; ``strength`` its weight in squared seconds per second²).
+    relative to a one-node step; ``strength`` its weight relative to the data's).
+    ``CostModel.fixed(a, b)`` never learns: tree choices then depend on the text alone, which makes
+    seeded sampling reproducible (measured times differ from run to run, and the tree decides which
+    random draws verification makes).
     """
 
     def __init__(self, ratio: float = 0.08, forget: float = 0.95, strength: float = 1.0):
@@ -167,10 +170,23 @@ class CostModel:
         self._gram = np.zeros((2, 2))
         self._rhs = np.zeros(2)
         self.steps = 0
+        self._fixed: tuple[float, float] | None = None
+
+    @classmethod
+    def fixed(cls, seconds_per_step: float, seconds_per_node: float) -> CostModel:
+        """A cost model that does not learn: ``seconds_per_step + seconds_per_node * n``."""
+        if not (seconds_per_step >= 0 and seconds_per_node >= 0 and seconds_per_step + seconds_per_node > 0):
+            raise ValueError(f"seconds_per_step and seconds_per_node must be >= 0 and not both 0, "
+                             f"got {seconds_per_step} and {seconds_per_node}")
+        model = cls()
+        model._fixed = (float(seconds_per_step), float(seconds_per_node))
+        return model
 
     def add(self, nodes: int, seconds: float) -> None:
         if nodes < 1 or not seconds > 0:
             raise ValueError(f"a step has nodes >= 1 and seconds > 0, got {nodes} and {seconds}")
+        if self._fixed is not None:
+            return
         x = np.array([1.0, float(nodes)])
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._rhs = self.forget * self._rhs + x * seconds
@@ -179,6 +195,8 @@ class CostModel:
     @property
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)``: seconds per step and per node; ``(nan, nan)`` before the first step."""
+        if self._fixed is not None:
+            return self._fixed
         if self.steps == 0:
             return float("nan"), float("nan")
         # The prior as a penalty strength * (b - ratio * a)^2, scaled by the data's weight so that
@@ -300,7 +318,7 @@ class AdaptiveDrafter:
     def _cut(self, merged) -> list[DraftTree]:
         """Keep, over all requests, the nodes (best first) that maximise expected tokens per second."""
         batch = len(merged)
-        if self.cost.steps == 0:  # nothing measured yet: the first step is a plain decode, and measured
+        if np.isnan(self.cost.coefficients[0]):  # nothing measured yet: a plain decode, and measure it
             return [DraftTree.root_only(int(m[0][0])) for m in merged]
         # Best first per request, capped at max_nodes - 1; a child never beats its parent
         # (probabilities multiply), ties go to the earlier (shallower) node: kept sets are connected.

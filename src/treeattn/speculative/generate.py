@@ -92,7 +92,10 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
     only the nodes expected to pay for their verification time (a plain decode when none does),
     learning acceptance and step cost during this call; pass an ``AdaptiveDrafter`` yourself to keep
     what it learns across calls, or ``adaptive=False`` to verify the drafter's full trees. A drafter
-    that is a ``LearningDrafter`` is told each step's emitted tokens and time.
+    that is a ``LearningDrafter`` is told each step's emitted tokens and time. Greedy output never
+    depends on the trees; sampled output follows the target distribution whatever the trees, but a
+    seed reproduces it only when the trees do not depend on measured times (``adaptive=False``, or
+    an ``AdaptiveDrafter`` with ``CostModel.fixed``).
     """
     prompts = _check_prompts(prompts)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
