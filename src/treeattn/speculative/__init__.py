@@ -1,8 +1,22 @@
 """Tree speculative decoding: drafters propose token trees, the target verifies them in one forward."""
 
+from .drafters import (
+    CandidateSource,
+    Drafter,
+    MedusaHeads,
+    NGramDrafter,
+    StaticTreeDrafter,
+)
 from .generate import GenerationResult, generate
-from .drafters import CandidateSource, Drafter, MedusaHeads, NGramDrafter, StaticTreeDrafter
-from .verify import DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy, verify_sampling
+from .verify import (
+    DraftTree,
+    SamplingParams,
+    VerifyResult,
+    target_probs,
+    verify,
+    verify_greedy,
+    verify_sampling,
+)
 
 __all__ = [
     "CandidateSource",

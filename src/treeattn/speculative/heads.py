@@ -13,6 +13,7 @@ head must guess is exactly what the model will emit, so the model's text is the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +27,28 @@ from .adaptive import Candidates, grow
 from .drafters import as_context
 from .verify import DraftTree
 
-__all__ = ["DraftHeads", "HeadDrafter", "TrainState", "causal_hidden_states", "head_examples", "head_accuracy",
-           "load_heads", "save_heads", "self_distill", "train_heads"]
+__all__ = [
+    "DEFAULT_HEADS",
+    "PACKAGED_HEADS",
+    "PROMPTS_FILE",
+    "DraftHeads",
+    "HeadDrafter",
+    "TrainState",
+    "causal_hidden_states",
+    "find_heads",
+    "head_accuracy",
+    "head_examples",
+    "load_heads",
+    "save_heads",
+    "self_distill",
+    "train_heads",
+]
+
+_DATA = Path(__file__).parent / "data"
+PROMPTS_FILE = _DATA / "prompts.txt"  # the training prompts shipped with treeattn
+PACKAGED_HEADS = _DATA / "smollm2-135m-heads.pt"  # SmolLM2-135M heads shipped with treeattn
+# Where ``treeattn train-heads`` writes by default (the user's own heads win over the shipped ones).
+DEFAULT_HEADS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "treeattn" / "smollm2-135m-heads.pt"
 
 Progress = Callable[[int, int, str], None]  # (done, total, message)
 
@@ -74,6 +95,11 @@ def load_heads(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
     heads = DraftHeads(int(blob["hidden_size"]), int(blob["num_heads"]))
     heads.load_state_dict({k: v.to(dtype) for k, v in blob["state_dict"].items()})
     return heads.to(dtype).eval(), dict(blob["metadata"])
+
+
+def find_heads() -> Path | None:
+    """The SmolLM2-135M heads to use: the user's (``DEFAULT_HEADS``), else the shipped ones, else None."""
+    return next((p for p in (DEFAULT_HEADS, PACKAGED_HEADS) if p.is_file()), None)
 
 
 class HeadDrafter:

@@ -193,8 +193,8 @@ class SuffixDrafter:
             if node < 0 or self.budget == 1:
                 out.append(Candidates.root_only(root))
                 continue
-            tokens, parents, refs = grow(root, lambda ref: self._expand((node, 1.0, 1.0, 0, 0) if ref is None else ref),
-                                         self.budget)
+            start = (node, 1.0, 1.0, 0, 0)  # the matched node: probability 1, draft depth 0
+            tokens, parents, refs = grow(root, lambda ref, start=start: self._expand(ref or start), self.budget)
             keys, prior = np.zeros(len(tokens), np.int64), np.ones(len(tokens))
             for i in range(1, len(tokens)):
                 keys[i], prior[i] = lookup_bucket(m, refs[i][2], refs[i][3])
