@@ -10,8 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeattn.speculative import DraftTree, Drafter
-from treeattn.speculative.adaptive import AdaptiveDrafter, Calibrator, Candidates, CostModel, LearningDrafter
+from treeattn.speculative import Drafter, DraftTree
+from treeattn.speculative.adaptive import (
+    AdaptiveDrafter,
+    Calibrator,
+    Candidates,
+    CostModel,
+    LearningDrafter,
+)
 
 
 class FixedChains:

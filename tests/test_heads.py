@@ -11,10 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from treeattn.models import LlamaTreeModel
-from treeattn.speculative.heads import (DraftHeads, HeadDrafter, causal_hidden_states, head_accuracy, head_examples,
-                                        load_heads, save_heads, train_heads)
 from tests.test_model import VOCAB, tiny_hf
+from treeattn.models import LlamaTreeModel
+from treeattn.speculative.heads import (
+    DraftHeads,
+    HeadDrafter,
+    causal_hidden_states,
+    head_accuracy,
+    head_examples,
+    load_heads,
+    save_heads,
+    train_heads,
+)
 
 
 @pytest.fixture(scope="module")

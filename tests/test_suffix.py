@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeattn.speculative import DraftTree, Drafter
+from treeattn.speculative import Drafter, DraftTree
 from treeattn.speculative.adaptive import ScoringDrafter
 from treeattn.speculative.suffix import SuffixDrafter
 

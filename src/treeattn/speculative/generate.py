@@ -166,7 +166,10 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
                                      f"expected the sequence's last token {contexts[b][-1]}")
         sizes = [t.size for t in trees]
         tokens = torch.from_numpy(np.concatenate([t.tokens for t in trees]))
-        parents = None if drafter is None else [t.parents for t in trees]
+        # A step that drafts nothing (no drafter, or an adaptive one that found nothing worth
+        # verifying) appends its roots causally: plain decoding, nothing to commit.
+        drafted = any(t.size > 1 for t in trees)
+        parents = [t.parents for t in trees] if drafted else None
         out = model.forward(cache, ids, tokens, sizes, parents)
         result.forward_passes += 1
         res = verify(trees, out.logits, sampling, generator)
