@@ -84,18 +84,22 @@ def main_train_heads(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     prompts = [chat_ids(tokenizer, t) for t in texts]
-    config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(), "max_tokens": args.max_tokens,
-              "num_heads": args.num_heads, "epochs": args.epochs, "lr": args.lr}
+    # The answers depend on the prompts and their length only: they survive a change of training settings.
+    data_config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
+                   "max_tokens": args.max_tokens}
+    train_config = {"num_heads": args.num_heads, "epochs": args.epochs, "lr": args.lr}
     ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
-    ckpt = {"config": config, "outputs": [], "heads": None, "train": None}
+    ckpt = {"data_config": data_config, "train_config": train_config, "outputs": [], "heads": None, "train": None}
     if ckpt_path.is_file():
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        if saved.get("config") == config:
-            ckpt = saved
+        if saved.get("data_config") == data_config:
+            ckpt["outputs"] = saved["outputs"]
+            if saved.get("train_config") == train_config:
+                ckpt["heads"], ckpt["train"] = saved["heads"], saved["train"]
             console.print(f"resuming from {ckpt_path}: {len(ckpt['outputs'])}/{len(prompts)} answers, "
                           f"{(ckpt['train'] or {}).get('epoch', 0)}/{args.epochs} epochs")
         else:
-            console.print(f"[yellow]{ckpt_path} was made with other settings: starting over[/yellow]")
+            console.print(f"[yellow]{ckpt_path} holds answers to other prompts: starting over[/yellow]")
     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:

@@ -13,6 +13,7 @@ head must guess is exactly what the model will emit, so the model's text is the 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -253,7 +254,7 @@ def train_heads(heads: DraftHeads, lm_head, x: torch.Tensor, y: torch.Tensor, *,
         for s in range(steps_per_epoch):
             step = epoch * steps_per_epoch + s
             for group in opt.param_groups:
-                group["lr"] = lr * 0.5 * (1 + np.cos(np.pi * step / total))
+                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))  # a float: checkpoints load weights-only
             rows = order[s * batch_rows:(s + 1) * batch_rows]
             loss = _loss(heads, lm_head, x[rows], y[rows])
             opt.zero_grad()
