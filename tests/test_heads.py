@@ -124,3 +124,35 @@ def test_head_drafter_trees_follow_the_heads(tiny):
         assert depth.max() <= 2
     with pytest.raises(ValueError, match="hidden"):
         drafter.candidates([np.array([4])])
+
+
+def test_optimizer_checkpoint_loads_weights_only(tiny, tmp_path):
+    x, y = periodic_data(tiny)
+    state = train_heads(DraftHeads(64, num_heads=2), tiny.logits, x, y, epochs=1, batch_rows=64)
+    torch.save({"optimizer": state.optimizer, "losses": state.losses}, tmp_path / "ckpt")
+    assert torch.load(tmp_path / "ckpt", weights_only=True)["losses"] == state.losses
+
+
+class CharTokenizer:
+    eos_token_id = 0
+
+    def apply_chat_template(self, messages, **kwargs):
+        return [1 + ord(ch) % (VOCAB - 1) for ch in messages[0]["content"][:10]]
+
+
+def test_train_heads_command_writes_heads(tiny, tmp_path, monkeypatch, capsys):
+    from treeattn.cli import build_parser
+    from treeattn.cli import train_heads as cli
+
+    monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
+    (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
+    argv = ["train-heads", "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "h.pt"),
+            "--max-tokens", "6", "--epochs", "2", "--batch", "2", "--threads", "1", "--num-heads", "2"]
+    args = build_parser().parse_args(argv)
+    assert args.run(args) == 0
+    heads, meta = load_heads(tmp_path / "h.pt")
+    assert heads.num_heads == 2 and len(meta["top1"]) == 2 and meta["prompts"] == 4
+    assert not (tmp_path / "h.ckpt").exists()  # removed once training ended
+    bad = build_parser().parse_args(argv[:1] + ["--prompts", str(tmp_path / "missing.txt")])
+    assert bad.run(bad) == 2
+    assert "--prompts" in capsys.readouterr().err
