@@ -52,16 +52,24 @@ def rotate(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:
     return (xf * emb.cos() + rotated * emb.sin()).to(x.dtype)
 
 
-def dense_attention(q, k, v, mask, sm_scale):
-    """float64 ``softmax(sm_scale q k^T + mask) v``; q [T, h_q, d], k/v [L, h_kv, d], mask bool [T, L].
-    Query head ``h`` reads KV head ``h // (h_q // h_kv)``."""
+def dense_attention(q, k, v, mask, sm_scale, softcap=None, sinks=None):
+    """float64 ``softmax(sm_scale q k^T + mask) v``; q [T, h_q, d], k [L, h_kv, d], v [L, h_kv, d_v], mask
+    bool [T, L]. Query head ``h`` reads KV head ``h // (h_q // h_kv)``. ``softcap``: scores -> c tanh(s / c);
+    ``sinks [h_q]``: one more logit per head whose value is 0."""
     rows, h_q, d = q.shape
     h_kv = k.shape[1]
     qg = q.double().reshape(rows, h_kv, h_q // h_kv, d).permute(1, 2, 0, 3)  # [h_kv, group, T, d]
     scores = qg @ k.double().permute(1, 2, 0)[:, None] * sm_scale  # [h_kv, group, T, L]
-    p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    out = p @ v.double().permute(1, 0, 2)[:, None]  # [h_kv, group, T, d]
-    return out.permute(2, 0, 1, 3).reshape(rows, h_q, d)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # as GPT-OSS does it: a column of sink logits, dropped after the softmax
+        column = sinks.double().reshape(h_kv, h_q // h_kv, 1, 1).expand(-1, -1, rows, 1)
+        p = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(scores, dim=-1)
+    out = p @ v.double().permute(1, 0, 2)[:, None]  # [h_kv, group, T, d_v]
+    return out.permute(2, 0, 1, 3).reshape(rows, h_q, -1)
 
 
 @dataclass
@@ -75,6 +83,8 @@ class ModelCache:
     dtype: torch.dtype = torch.float32
     rope_theta: float | None = None  # when set, the cache under test was built with RoPE(theta)
     device: str = "cpu"  # the cache's device; the model itself stays on the CPU
+    variants: dict = field(default_factory=dict)  # layer -> attention() keywords (sliding_window, ...)
+    v_dim: int | None = None  # an MLA cache: V is the first v_dim dims of K
     seqs: dict = field(default_factory=dict)
 
     def add(self, cache, sid) -> None:
@@ -127,6 +137,9 @@ class ModelCache:
             k = torch.randn(total, self.h_kv, self.d, generator=gen).to(self.dtype)
             v = torch.randn(total, self.h_kv, self.d, generator=gen).to(self.dtype)
             qd, kd, vd = q.to(self.device), k.to(self.device), v.to(self.device)
+            variant = self.variants.get(layer, {})
+            if self.v_dim is not None:
+                vd, v = None, None  # stored as K's first v_dim dims
             if layer == fail_layer:
                 try:
                     cache.attention(layer, qd, kd[:, :1], vd, sm_scale=sm_scale)
@@ -134,10 +147,12 @@ class ModelCache:
                     pass
                 else:
                     raise AssertionError("attention accepted a k with the wrong number of heads")
-            out = cache.attention(layer, qd, kd, vd, sm_scale=sm_scale).cpu()
-            assert out.dtype == self.dtype and out.shape == q.shape
+            out = cache.attention(layer, qd, kd, vd, sm_scale=sm_scale, **variant).cpu()
+            assert out.dtype == self.dtype and out.shape == (total, self.h_q, self.v_dim or self.d)
             if self.rope_theta is not None:
                 q, k = rotate(q, expected_pos, self.rope_theta), rotate(k, expected_pos, self.rope_theta)
+            if self.v_dim is not None:
+                v = k[..., :self.v_dim]
             row = 0
             for sid, a in zip(ids, lengths):
                 s = staged[sid]
@@ -147,7 +162,13 @@ class ModelCache:
                 tree = s.tree if s.tree is not None else list(range(-1, a - 1))  # plain: a chain
                 mask = torch.ones(a, s.length, dtype=torch.bool)
                 mask[:, s.length - len(tree):] = treeattn.ancestor_mask(treeattn.tree_order(tree))[len(tree) - a:]
-                ref = dense_attention(q[row:row + a], keys, vals, mask, scale)
+                if variant.get("sliding_window") is not None:  # positions: prefix j at j, node i at prefix + depth
+                    key_pos = torch.tensor(list(range(s.length - len(tree)))
+                                           + [s.length - len(tree) + x for x in depths(tree)])
+                    row_pos = torch.tensor(expected_pos[row:row + a])
+                    mask &= key_pos[None, :] > row_pos[:, None] - variant["sliding_window"]
+                ref = dense_attention(q[row:row + a], keys, vals, mask, scale, variant.get("logit_softcap"),
+                                      variant.get("sinks"))
                 atol, rtol = TOL[self.dtype]
                 torch.testing.assert_close(out[row:row + a].double(), ref, atol=atol, rtol=rtol,
                                            msg=lambda m, sid=sid, layer=layer: f"sequence {sid}, layer {layer}: {m}")
@@ -187,7 +208,7 @@ class ModelCache:
             for layer in range(self.num_layers):
                 k, v = (x.cpu() for x in cache.get_kv(sid, layer))
                 want_k = torch.stack(s.k[layer]) if s.length else k.new_zeros(0, self.h_kv, self.d)
-                want_v = torch.stack(s.v[layer]) if s.length else v.new_zeros(0, self.h_kv, self.d)
+                want_v = torch.stack(s.v[layer]) if s.length else v.new_zeros(0, self.h_kv, self.v_dim or self.d)
                 if exact:
                     assert torch.equal(k, want_k) and torch.equal(v, want_v), f"stored K/V of sequence {sid}, layer {layer}"
                 else:

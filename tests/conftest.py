@@ -2,7 +2,6 @@ import pytest
 import torch
 
 
-
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors: a second intra-op thread only adds synchronisation (and stalls on a busy machine)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from treeattn.testing import *  # noqa: F401,F403
-from treeattn.testing import MIXED, TOL, LSE_RTOL, Batch, Request  # noqa: F401  (explicit for linters)
+from treeattn.testing import *  # noqa: F403
+from treeattn.testing import LSE_RTOL, MIXED, TOL, Batch, Request  # noqa: F401  (explicit for linters)
 
 
 @st.composite

@@ -12,12 +12,27 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.helpers import (MIXED, TOL, Batch, Request, assert_close_to_reference, binary, chain, forest, make_batch,
-                   outputs_for, paginate, parent_arrays, poisoned, random_tree, star)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treeattn
+from tests.helpers import (
+    MIXED,
+    TOL,
+    Batch,
+    Request,
+    assert_close_to_reference,
+    binary,
+    chain,
+    forest,
+    make_batch,
+    outputs_for,
+    paginate,
+    parent_arrays,
+    poisoned,
+    random_tree,
+    star,
+)
 from treeattn.backends import AttentionSpec, available_backends, get_backend
 from treeattn.lse import EMPTY_LSE
 
@@ -260,7 +275,7 @@ def test_node_sees_prefix_and_its_path_in_any_sibling_order(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_merge_of_tree_part_and_paged_prefix_equals_paged_tree(backend, dtype):
     """TVM's runtime path without appending first: ragged self part (new tokens only) merged with an unmasked
-    paged prefix part equals the paged tree kernel over prefix + new tokens (tvm-semantics.md §7)."""
+    paged prefix part equals the paged tree kernel over prefix + new tokens (docs/semantics.md, "KV-cache runtime")."""
     requests = [Request(binary(7), prefix=40), Request(chain(5), prefix=16), Request(star(4), prefix=0)]
     full = make_batch(requests, h_q=4, h_kv=2, d=32, dtype=dtype, seed=8, page_size=16)
     kv_starts = np.cumsum([0] + [r.kv for r in requests])

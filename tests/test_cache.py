@@ -1,5 +1,5 @@
 """treeattn.PagedKVCache: TVM's KV-cache tree scenarios, regressions for TVM's runtime bugs Q1–Q4
-(tvm-semantics.md §8.8), copy-on-write forks, long appends, and misuse that must leave the cache unchanged.
+(docs/semantics.md, "TVM's runtime bugs"), copy-on-write forks, long appends, and misuse that must leave the cache unchanged.
 
 Every forward is checked layer by layer against the dense float64 model in ``cache_model.py``.
 """
@@ -107,6 +107,58 @@ def test_tvm_growing_tree_scenario(d, dtype, backend):
     assert [cache.seq_len(i) for i in range(4)] == [10 + 2, 20 + 3, 30, 40 + 3]
     model.check(cache, exact=False)
     decode_rounds(cache, model, g)
+
+
+# ---------------------------------------------------------------- attention variants per layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_layer_variants_over_multi_round_trees(backend):
+    """Gemma-like alternation (sliding window, soft-capping, sinks) across layers, with a tree grown over two
+    rounds, a fork, a commit and decoding: every layer's output against the dense model."""
+    sinks = torch.randn(4, generator=gen(9)) * 2
+    cache, model = make(layers=4, backend=backend, rope_theta=1e4, num_pages=96)
+    model.variants = {0: dict(sliding_window=3), 1: dict(logit_softcap=5.0),
+                      2: dict(sliding_window=8, logit_softcap=20.0, sinks=sinks), 3: dict(sinks=sinks)}
+    g = gen(4)
+    prefill(cache, model, [11, 5], g)
+    model.forward(cache, [0, 1], [7, 3], [binary(7), chain(3)], g)
+    model.forward(cache, [0, 1], [2, 2], [[3, 7], [2, -1]], g)  # grow: node 7 under 3, 8 under 7
+    model.commit(cache, [0, 1], [8, 4])
+    model.fork(cache, 0, 2)
+    decode_rounds(cache, model, g, rounds=3)
+    model.check(cache, exact=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("first_round", ["paged", "merge"])
+def test_mla_cache_stores_one_latent(backend, first_round):
+    """v_head_dim < head_dim: one latent per token, V its first dims; attention takes v=None."""
+    cache = PagedKVCache(2, 1, 24, num_pages=32, page_size=4, dtype=torch.float32, backend=backend, v_head_dim=16,
+                         first_round=first_round)
+    assert tuple(cache.kv_pages.shape) == (2, 32, 1, 4, 24)
+    model = ModelCache(2, 4, 1, 24, 4, 32, v_dim=16, variants={1: dict(sinks=torch.randn(4, generator=gen(2)))})
+    g = gen(5)
+    prefill(cache, model, [9, 6], g)
+    model.forward(cache, [0, 1], [5, 3], [binary(5), star(3)], g)
+    model.commit(cache, [0, 1], [3, 2])
+    decode_rounds(cache, model, g, rounds=2)
+    with pytest.raises(ValueError, match="pass v=None"):
+        cache.begin_forward([0], [1])
+        try:
+            cache.attention(0, torch.randn(1, 4, 24), torch.randn(1, 1, 24), torch.randn(1, 1, 24))
+        finally:
+            cache.abort_forward()
+
+
+def test_a_window_needs_the_paged_first_round():
+    cache, model = make(first_round="merge")
+    g = gen(6)
+    prefill(cache, model, [6], g)
+    cache.begin_forward([0], [3], [chain(3)])
+    with pytest.raises(ValueError, match="sliding_window needs first_round='paged'"):
+        cache.attention(0, torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16), sliding_window=2)
+    cache.abort_forward()
 
 
 # ---------------------------------------------------------------- TVM runtime bugs Q1–Q4, fixed

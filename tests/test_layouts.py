@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
 import treeattn
-from treeattn.backends import available_backends
-from treeattn.layout import PagedKV, slots
 from tests.helpers import MIXED, Request, as_layout, assert_close_to_reference, binary, chain, make_batch, outputs_for
+from treeattn.backends import BACKENDS as BACKENDS_ALL
+from treeattn.backends import AttentionSpec, available_backends, select
+from treeattn.layout import PagedKV, slots
 
 BACKENDS = [b for b in available_backends("cpu") if b != "triton"]  # triton: tests/test_triton_interpreter.py
 LAYOUTS = ["TVM", "NHD", "HND", "views"]
@@ -62,17 +63,19 @@ def test_a_paged_run_allocates_no_cache_sized_tensor(backend):
 
 
 def test_unsupported_call_lists_every_backends_reason():
-    q = torch.randn(3, 4, 16)
-    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 8)  # a value head dim no CPU-side backend serves yet
+    spec = AttentionSpec(torch.device("meta"), torch.float32, 4, 2, 16, 16, page_size=12)
     with pytest.raises(ValueError) as err:
-        treeattn.tree_attention(q, [0, 3], k, v, [0, 5], [0, 3], treeattn.tree_order([-1, 0, 0]))
+        select(None, spec)
     message = str(err.value)
-    assert "no backend can run this call" in message
-    for name in ("triton", "cpu", "reference"):
-        assert f"  {name}: " in message
-    assert "value head dim 8 differs" in message
-    with pytest.raises(ValueError, match="backend='cpu' cannot run this call .*value head dim 8"):
-        treeattn.tree_attention(q, [0, 3], k, v, [0, 5], [0, 3], treeattn.tree_order([-1, 0, 0]), backend="cpu")
+    assert message.startswith("no backend can run this call (paged (page size 12) float32 on meta")
+    for name in BACKENDS_ALL:
+        assert f"\n  {name}: " in message
+    assert "cpu: needs CPU tensors, got tensors on meta" in message
+    assert "reference: meta tensors hold no values" in message
+    with pytest.raises(ValueError, match="backend='cpu' cannot run this call .*: needs CPU tensors"):
+        select("cpu", spec)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select("cuda", spec)
 
 
 def test_pair_layout_errors_name_the_argument():

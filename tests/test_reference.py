@@ -62,11 +62,11 @@ def test_reference_paged_equals_ragged():
 def test_reference_merge_with_empty_side_is_identity():
     gen = torch.Generator().manual_seed(0)
     o = torch.randn(5, 3, 8, generator=gen)
-    l = torch.randn(5, 3, generator=gen) * 4
-    out, lse = treeattn.merge_state(o, l, torch.randn(5, 3, 8, generator=gen), torch.full((5, 3), -5e4),
+    lse_a = torch.randn(5, 3, generator=gen) * 4
+    out, lse = treeattn.merge_state(o, lse_a, torch.randn(5, 3, 8, generator=gen), torch.full((5, 3), -5e4),
                                     backend="reference")
     torch.testing.assert_close(out, o)
-    torch.testing.assert_close(lse, l)
+    torch.testing.assert_close(lse, lse_a)
 
 
 def test_reference_rope_rotates_before_attending():

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 import treeattn
+from tests.helpers import Request, assert_close_to_reference, binary, chain, make_batch, outputs_for, random_tree, star
 from treeattn.backends import available_backends
 from treeattn.lse import EMPTY_LSE
-from tests.helpers import (Request, assert_close_to_reference, binary, chain, make_batch, outputs_for, random_tree,
-                           star)
 
 BACKENDS = [b for b in available_backends("cpu") if b != "triton"]
 
@@ -251,7 +250,7 @@ def test_numpy_scalars_are_numbers():
 
 def test_meta_tensors_get_a_clear_error():
     q = torch.empty(2, 2, 8, device="meta")
-    meta = lambda x: torch.tensor(x, dtype=torch.int32, device="meta")  # noqa: E731
+    meta = lambda x: torch.tensor(x, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="tree_order is on cpu, expected meta"):
         treeattn.tree_attention(q, [0, 2], q, q, [0, 2], [0, 2], treeattn.tree_order([-1, 0]))
     with pytest.raises(ValueError, match="q_indptr is a meta tensor, which holds no values"):

@@ -109,7 +109,6 @@ def test_yarn_default_inv_theta_log_scale_is_tvm_fill():
     ({"scaling": {"rope_type": "yarn", "factor": 2.0}}, "missing beta_fast"),
     ({"scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 0, "beta_slow": 1,
                   "original_max_position_embeddings": 512}}, r"scaling\['beta_fast'\] must be a finite number > 0"),
-    ({"scaling": {"rope_type": "llama3", **LLAMA, "factor": "8"}}, r"scaling\['factor'\] must be a finite number"),
     ({"scaling": {"rope_type": "llama4", **LLAMA, "factor": float("inf")}}, r"scaling\['factor'\]"),
     ({"scaling": {"rope_type": "longrope", "max_position_embeddings": 4096, "original_max_position_embeddings": 1}},
      "original_max_position_embeddings > 1"),
@@ -124,3 +123,55 @@ def test_bad_configs_are_clear_errors(kwargs, message):
 def test_odd_head_dim_is_rejected():
     with pytest.raises(ValueError, match="even head dim"):
         treeattn.RoPE().apply(torch.randn(2, 1, 5), torch.tensor([0, 1]))
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"scaling": {"rope_type": "llama3", **LLAMA, "factor": "8"}}, TypeError, r"scaling\['factor'\] must be a real number"),
+    ({"scaling": {"rope_type": "llama3", **LLAMA, "factor": True}}, TypeError, r"scaling\['factor'\] must be a real"),
+    ({"scaling": {**YARN, "inv_theta_log_scale": float("nan")}}, ValueError, r"scaling\['inv_theta_log_scale'\]"),
+    ({"scaling": {**YARN, "inv_theta_log_scale": -1.0}}, ValueError, r"scaling\['inv_theta_log_scale'\]"),
+    ({"theta": "1e4"}, TypeError, "theta must be a real number"),
+    ({"theta": True}, TypeError, "theta must be a real number"),
+    ({"scale": None}, TypeError, "scale must be a real number"),
+    ({"theta": float("nan")}, ValueError, "theta must be a finite number > 1"),
+    ({"scaling": [("rope_type", "llama3")]}, TypeError, "scaling must be a dict"),
+])
+def test_bad_numbers_are_typed_errors(kwargs, error, message):
+    """Issue 15 defect 8: a yarn log scale of NaN gave NaN output; non-numbers now fail as TypeError."""
+    with pytest.raises(error, match=message):
+        treeattn.RoPE(**kwargs)
+
+
+def test_numpy_scalars_are_numbers():
+    """Issue 15 defect 8: np.float32 theta was rejected with a message saying it was not finite."""
+    rope = treeattn.RoPE(np.float32(5e5), np.float64(0.5), {**YARN, "factor": np.float32(4.0), "beta_fast": np.int64(32)})
+    assert rope == treeattn.RoPE(5e5, 0.5, YARN)
+    assert type(rope.theta) is float and type(rope.scaling["factor"]) is float
+    x, pos = torch.randn(3, 2, 16), torch.tensor([0, 5, 9])
+    assert torch.equal(rope.apply(x, pos), treeattn.RoPE(5e5, 0.5, YARN).apply(x, pos))
+
+
+@pytest.mark.parametrize("x,positions,error,message", [
+    (torch.randn(3, 16), torch.tensor([0, 1, 2]), ValueError, r"x must be 3-D \[L, H, d\], got shape \(3, 16\)"),
+    (torch.randn(1, 3, 3, 16), torch.tensor([0]), ValueError, "x must be 3-D"),
+    (torch.arange(48).reshape(3, 1, 16), torch.tensor([0, 1, 2]), TypeError, "x must be a float tensor"),
+    (torch.randn(3, 1, 16), torch.tensor([0.0, 1.5, 2.0]), TypeError, "positions must be an integer tensor"),
+    (torch.randn(3, 1, 16), torch.tensor([True, False, True]), TypeError, "positions must be an integer tensor"),
+    (torch.randn(3, 1, 16), [0, 1, 2], TypeError, "positions must be an integer tensor"),
+    (torch.randn(3, 1, 16), torch.tensor([[0, 1, 2]]), ValueError, "positions must be 1-D"),
+    (torch.randn(3, 1, 16), torch.tensor([0, 1]), ValueError, r"positions must have shape \[3\]"),
+])
+def test_apply_checks_its_inputs(x, positions, error, message):
+    """Issue 15 defect 8: apply on a 2-D [3, 16] tensor returned a [3, 3, 16] result, and
+    fractional positions were silently accepted."""
+    with pytest.raises(error, match=message):
+        treeattn.RoPE().apply(x, positions)
+
+
+def test_tiny_positive_values_and_large_positions_stay_finite():
+    rope = treeattn.RoPE(1e4, 1e-30)
+    y = rope.apply(torch.randn(2, 1, 8), torch.tensor([0, 10**6]))
+    assert torch.isfinite(y).all()

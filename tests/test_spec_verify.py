@@ -11,8 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeattn.speculative import (DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy,
-                           verify_sampling)
+from treeattn.speculative import DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy, verify_sampling
 
 
 def chi2_sf(stat: float, dof: int) -> float:
@@ -110,7 +109,7 @@ def test_verify_dispatch_and_validation():
     logits = torch.randn(1, 6)
     assert verify([tree], logits).tokens == [[int(logits.argmax())]]
     assert verify([tree], logits, SamplingParams(temperature=0.0)).tokens == [[int(logits.argmax())]]
-    with pytest.raises(ValueError, match="rows"):
+    with pytest.raises(ValueError, match="one row per tree node"):
         verify_greedy([tree], torch.randn(2, 6))
     with pytest.raises(ValueError, match="rooted at node 0"):
         DraftTree(np.array([1, 2]), np.array([-1, -1]))
@@ -182,7 +181,7 @@ def draft_batch(length, value, roots, g, q_table, mode):
     offset = torch.from_numpy(OFFSET)
     lens, vals = [length] + [None] * (n - 1), [value] + [None] * (n - 1)  # coded context of each node
     for parent in range(n):
-        kids = np.nonzero(SHAPE == parent)[0].tolist()
+        kids = np.nonzero(parent == SHAPE)[0].tolist()
         q = q_table[(offset[lens[parent]] + vals[parent]) % q_table.shape[0]]  # the draft depends on context
         taken = torch.zeros(batch, VOCAB, dtype=torch.bool)
         for rank, kid in enumerate(kids):
@@ -306,3 +305,186 @@ def test_point_mass_acceptance_probability_is_exact():
     assert chi2_sf(stat, dof) > 1e-3
     accepted = np.array([len(path) > 1 for path in res.paths])
     assert abs(accepted.mean() - (p[3] + p[1])) < 0.01  # P(some child accepted) = p(3) + p(1)
+
+
+# ------------------------------------------------------------------ one tree type, bad input (issue 15 defect 7)
+
+
+def test_a_draft_tree_is_a_token_tree():
+    import treeattn
+
+    tree = DraftTree([7, 1, 2, 3, 4], [-1, 0, 0, 1, 1])
+    plain = treeattn.TokenTree([-1, 0, 0, 1, 1])
+    assert isinstance(tree, treeattn.TokenTree)
+    assert torch.equal(tree.order, plain.order) and torch.equal(tree.depth, plain.depth)
+    assert tree.path(4) == [0, 1, 4] and tree.tokens.tolist() == [7, 1, 2, 3, 4]
+    assert repr(tree).startswith("DraftTree(size=5")
+    with pytest.raises(ValueError):
+        tree.tokens[0] = 1  # read-only, as the parents
+    root = DraftTree.root_only(np.int64(9))
+    assert root.tokens.tolist() == [9] and root.parents.tolist() == [-1] and root.draft_probs is None
+    with pytest.raises(TypeError, match="token must be an int"):
+        DraftTree.root_only(9.0)
+
+
+def test_deep_draft_trees_verify_without_a_loop_per_level():
+    n = 4096  # a 4096-token chain that the target accepts to the end
+    tokens = np.arange(n) % 50
+    logits = torch.full((n, 50), -1.0)
+    logits[torch.arange(n), torch.from_numpy((tokens + 1) % 50)] = 1.0
+    res = verify_greedy([DraftTree(tokens, np.arange(-1, n - 1))], logits)
+    assert res.paths == [list(range(n))] and res.tokens == [tokens[1:].tolist() + [int(tokens[-1] + 1) % 50]]
+
+
+@pytest.mark.parametrize("poison", ["all nan", "one nan", "+inf", "all -inf"])
+@pytest.mark.parametrize("how", ["greedy", "sampling", "target_probs"])
+def test_logits_without_a_defined_target_are_refused(poison, how):
+    """Issue 15 defect 7: all-NaN logits made greedy verification return token 0."""
+    tree = DraftTree([1, 2, 3], [-1, 0, 0])
+    logits = torch.randn(3, 6)
+    row = logits[1]
+    if poison == "all nan":
+        row.fill_(float("nan"))
+    elif poison == "one nan":
+        row[4] = float("nan")
+    elif poison == "+inf":
+        row[0] = float("inf")
+    else:
+        row.fill_(float("-inf"))
+    with pytest.raises(ValueError, match="logits row 1 has a NaN, a \\+inf or no finite entry"):
+        if how == "greedy":
+            verify_greedy([tree], logits)
+        elif how == "sampling":
+            verify_sampling([tree], logits, SamplingParams())
+        else:
+            target_probs(logits, SamplingParams())
+
+
+def test_masked_vocabulary_is_fine():
+    logits = torch.tensor([[float("-inf"), 0.5, float("-inf"), 2.0]] * 2)
+    tree = DraftTree([1, 3], [-1, 0])
+    assert verify_greedy([tree], logits).tokens == [[3, 3]]
+    assert set(verify_sampling([tree] * 50, logits.repeat(50, 1), SamplingParams(),
+                               torch.Generator().manual_seed(0)).tokens[0]) <= {1, 3}
+
+
+@pytest.mark.parametrize("how", ["greedy", "sampling"])
+def test_draft_tokens_outside_the_vocabulary_are_refused(how):
+    """Issue 15 defect 7: greedy silently rejected them, sampling raised a raw IndexError."""
+    trees = [DraftTree([1, 2], [-1, 0]), DraftTree([1, 2, 6], [-1, 0, 1])]
+    with pytest.raises(ValueError, match=r"trees\[1\]\.tokens\[2\] = 6 is outside the logits' vocabulary of 6"):
+        verify([*trees], torch.randn(5, 6), None if how == "greedy" else SamplingParams())
+
+
+def _probs(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("draft_probs,message", [
+    (_probs([0, 0, 0], [float("nan")] * 3), r"draft_probs\[1\] has a NaN, infinite or negative entry"),
+    (_probs([0, 0, 0], [1.2, -0.2, 0.0]), r"draft_probs\[1\] has a NaN, infinite or negative entry"),
+    (_probs([0, 0, 0], [0.5, 0.4, 0.3]), r"draft_probs\[1\] sums to 1\.2, expected 1"),
+    (_probs([0, 0, 0], [2.0, 3.0, 5.0]), r"draft_probs\[1\] sums to 10"),
+    (_probs([0, 0, 0], [0.5, 0.0, 0.5]), r"draft_probs\[1, tokens\[1\]\] = 0"),
+    (_probs([0, 0]), r"draft_probs must have shape \[2, vocab\] \(one row per node\), got \(1, 2\)"),
+    (_probs([1.0], [1.0]), r"tokens\[1\] = 1 is outside draft_probs' vocabulary of 1"),
+])
+def test_draft_probs_must_be_distributions_that_can_draw_the_token(draft_probs, message):
+    """Issue 15 defect 7: NaN, negative, unnormalised rows or a zero at the drafted token voided
+    the lossless guarantee without a word."""
+    with pytest.raises(ValueError, match=message):
+        DraftTree([0, 1], [-1, 0], draft_probs=draft_probs)
+
+
+@pytest.mark.parametrize("draft_probs", [torch.tensor([[0, 0, 0], [0, 1, 0]]), [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+def test_draft_probs_must_be_a_float_tensor(draft_probs):
+    with pytest.raises(TypeError, match=r"draft_probs must be a float tensor \[2, vocab\]"):
+        DraftTree([0, 1], [-1, 0], draft_probs=draft_probs)
+
+
+def test_draft_probs_tolerances():
+    ok = torch.tensor([[0.0, 0.0, 0.0], [0.3, 0.3, 0.4 + 5e-4]])  # row 0 is ignored, fp32 round-off allowed
+    DraftTree([0, 1], [-1, 0], draft_probs=ok)
+    DraftTree([0, 1], [-1, 0], draft_probs=torch.tensor([[9.0, 9.0, 9.0], [0.3, 0.3, 0.41]]).bfloat16())
+    with pytest.raises(ValueError, match="sums to"):
+        DraftTree([0, 1], [-1, 0], draft_probs=torch.tensor([[0.0, 0.0, 0.0], [0.3, 0.3, 0.41]]))
+    with pytest.raises(ValueError, match=r"draft_probs\[2, tokens\[2\]\] = 0: node 2"):  # the first bad row is named
+        DraftTree([0, 1, 2], [-1, 0, 0], draft_probs=torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"top_k": 2.5}, TypeError, "top_k must be an int, got float"),
+    ({"top_k": True}, TypeError, "top_k must be an int, got a bool"),
+    ({"top_k": None}, TypeError, "top_k must be an int, got NoneType"),
+    ({"top_k": -1}, ValueError, "top_k must be >= 0"),
+    ({"temperature": True}, TypeError, "temperature must be a real number"),
+    ({"temperature": "1"}, TypeError, "temperature must be a real number"),
+    ({"temperature": None}, TypeError, "temperature must be a real number"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be finite and >= 0"),
+    ({"temperature": -0.5}, ValueError, "temperature must be finite and >= 0"),
+    ({"top_p": 0.0}, ValueError, "top_p must be in"),
+    ({"top_p": "0.9"}, TypeError, "top_p must be a real number"),
+])
+def test_sampling_params_are_taken_exactly(kwargs, error, message):
+    """Issue 15 defect 7: top_k=2.5 / True and temperature=True were accepted; top_k=None and
+    temperature="1" gave raw errors."""
+    with pytest.raises(error, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_numpy_scalars():
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9))
+    assert (type(params.temperature), type(params.top_k), type(params.top_p)) == (float, int, float)
+    assert params == SamplingParams(0.5, 3, 0.9)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45, 1e-30, 1e-6])
+def test_tiny_temperatures_sample_the_argmax(temperature):
+    """Issue 15 defect 7: temperature 1e-39 failed inside multinomial (logits / t overflowed to inf).
+    Documented: any t > 0 samples; as t -> 0 the law tends to the argmax."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.999], [5.0, 0.0, 0.0, -1.0]])
+    probs = target_probs(logits, SamplingParams(temperature=temperature))
+    assert torch.isfinite(probs).all() and probs.argmax(-1).tolist() == [1, 0]
+    assert probs.max(-1).values.tolist() == pytest.approx([1.0, 1.0], abs=1e-6)
+    res = verify_sampling([DraftTree([0, 2], [-1, 0])], logits, SamplingParams(temperature=temperature),
+                          torch.Generator().manual_seed(0))
+    assert res.tokens == [[1]]  # the draft (2) is rejected, the argmax (1) emitted
+
+
+def test_tiny_temperature_ties_are_uniform():
+    probs = target_probs(torch.tensor([[1.0, 1.0, 0.0]]), SamplingParams(temperature=1e-39))
+    assert probs.tolist() == [[0.5, 0.5, 0.0]]
+
+
+def test_verify_checks_its_arguments():
+    """Issue 15 defect 7: verify(params=dict) and a bare DraftTree gave raw errors."""
+    import treeattn
+
+    tree = DraftTree([1, 2], [-1, 0])
+    logits = torch.randn(2, 4)
+    with pytest.raises(TypeError, match="params must be a SamplingParams.*got dict"):
+        verify([tree], logits, params={"temperature": 0.7})
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        verify_sampling([tree], logits, {"temperature": 0.7})
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        target_probs(logits, 0.7)
+    with pytest.raises(TypeError, match="trees must be a list of DraftTree.*wrap a single tree in a list"):
+        verify(tree, logits)
+    with pytest.raises(TypeError, match=r"trees\[0\] must be a DraftTree, got TokenTree"):
+        verify([treeattn.TokenTree([-1, 0])], logits)
+    with pytest.raises(TypeError, match="trees must be a list of DraftTree"):
+        verify(np.array([1, 2]), logits)
+    with pytest.raises(ValueError, match="trees is empty"):
+        verify([], logits)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        verify([tree], logits, SamplingParams(), generator=0)
+    with pytest.raises(TypeError, match="logits must be a float tensor"):
+        verify([tree], logits.long())
+    with pytest.raises(TypeError, match="logits must be a float tensor"):
+        verify([tree], logits.tolist())
+    with pytest.raises(ValueError, match=r"tokens\[1\] = -2: tokens must be non-negative"):
+        DraftTree([1, -2], [-1, 0])
+    with pytest.raises(TypeError, match="tokens must hold integers"):
+        DraftTree([1.0, 2.0], [-1, 0])
+    with pytest.raises(TypeError, match=r"tokens\[1\] must be an int, got a bool"):
+        DraftTree([1, True], [-1, 0])

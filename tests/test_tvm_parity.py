@@ -3,7 +3,7 @@
 Every CPU backend of treeattn runs on the same random batch as TVM's ``tree_attn_cpu``,
 ``tree_attn_with_paged_kv_cache_cpu`` or ``_merge_state_inplace_cpu`` (outputs of both poisoned with
 NaN first), with the ``tree_order`` that ``treeattn.pack_trees`` built, and we check TVM was fed
-exactly those index arrays. Regions where TVM's behaviour is undefined (tvm-semantics.md §3.3, §5.4)
+exactly those index arrays. Regions where TVM's behaviour is undefined (docs/semantics.md)
 are not tested: a ragged request without keys (TVM's ragged LSE is never assigned), fully masked
 rows, ``sm_scale`` so small that the CPU ragged kernel's masked score ``-5e4·log2(e)·sm_scale``
 competes with real scores, and both merge sides empty.
@@ -26,12 +26,11 @@ import torch
 
 pytest.importorskip("tvm")
 
-from tests import tvm_oracle as oracle  # noqa: E402
-from tests.helpers import MIXED, Request, binary, chain, forest, make_batch, poisoned, random_tree, star  # noqa: E402
-
-import treeattn  # noqa: E402
-from treeattn.backends import available_backends, get_backend  # noqa: E402
-from treeattn.lse import EMPTY_LSE  # noqa: E402
+import treeattn
+from tests import tvm_oracle as oracle
+from tests.helpers import MIXED, Request, binary, chain, forest, make_batch, poisoned, random_tree, star
+from treeattn.backends import available_backends, get_backend
+from treeattn.lse import EMPTY_LSE
 
 pytestmark = pytest.mark.tvm
 
@@ -94,8 +93,8 @@ def assert_empty_rows(batch, out, lse, tvm_out, tvm_lse) -> None:
     for b, r in enumerate(batch.requests):
         if r.kv == 0 and r.rows:
             rows = slice(int(batch.q_indptr[b]), int(batch.q_indptr[b + 1]))
-            for o, l in ((out, lse), (tvm_out, tvm_lse)):
-                assert torch.all(o[rows] == 0) and torch.all(l[rows] == EMPTY_LSE)
+            for o, o_lse in ((out, lse), (tvm_out, tvm_lse)):
+                assert torch.all(o[rows] == 0) and torch.all(o_lse[rows] == EMPTY_LSE)
 
 
 def random_requests(seed: int, count: int, *, max_prefix: int, allow_short_qo: bool) -> list[Request]:
@@ -148,7 +147,7 @@ def _seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ragged_case(shape: str, batch_name: str):
     h_kv, h_q, d, dtype, sm_scale = SHAPES[shape]
     batch = make_batch(RAGGED_BATCHES[batch_name](), h_q=h_q, h_kv=h_kv, d=d, dtype=dtype,
@@ -156,7 +155,7 @@ def ragged_case(shape: str, batch_name: str):
     return batch, sm_scale, oracle.tree_attn(*batch.ragged_args(), sm_scale=resolved_scale(sm_scale, d))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def paged_case(shape: str, batch_name: str):
     h_kv, h_q, d, dtype, sm_scale = SHAPES[shape]
     batch = make_batch(PAGED_BATCHES[batch_name](), h_q=h_q, h_kv=h_kv, d=d, dtype=dtype,
@@ -200,7 +199,7 @@ def test_paged_batches_cover_the_page_edges():
 
 # ---------------------------------------------------------------- merge_state
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def merge_case(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(_seed("merge", dtype))
     rows, heads, d = 37, 8, 64
@@ -223,8 +222,8 @@ def test_merge_state_matches_tvm(backend, dtype):
     assert_parity(f"merge {dtype} | {backend}", out, lse, tvm_out, tvm_lse, dtype)
     empty_b = lse_b == EMPTY_LSE
     assert empty_b.any() and (lse_a == EMPTY_LSE).any()
-    for o, l in ((out, lse), (tvm_out, tvm_lse)):  # an empty side leaves the other one unchanged
-        assert torch.equal(o[empty_b], out_a[empty_b]) and torch.equal(l[empty_b], lse_a[empty_b])
+    for o, o_lse in ((out, lse), (tvm_out, tvm_lse)):  # an empty side leaves the other one unchanged
+        assert torch.equal(o[empty_b], out_a[empty_b]) and torch.equal(o_lse[empty_b], lse_a[empty_b])
 
 
 # ---------------------------------------------------------------- inline RoPE (ragged kernel only)
@@ -273,7 +272,7 @@ def rope_positions(requests_and_prefixes) -> torch.Tensor:
     return torch.cat(parts).to(torch.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rope_case(scaling_name: str, setting: str, shape=ROPE_SHAPE):
     h_kv, h_q, d, dtype, sm_scale = shape
     theta, scale = ROPE_SETTINGS[setting]

@@ -216,12 +216,12 @@ def test_plan_of_the_wrong_kind_or_batch_is_rejected():
 
 
 def test_merge_state_errors():
-    o, l = torch.randn(4, 2, 8), torch.randn(4, 2)
+    o, o_lse = torch.randn(4, 2, 8), torch.randn(4, 2)
     with pytest.raises(ValueError, match="out_a and out_b must have the same shape"):
-        treeattn.merge_state(o, l, o[:3], l[:3])
+        treeattn.merge_state(o, o_lse, o[:3], o_lse[:3])
     with pytest.raises(TypeError, match="lse_b must be a float32 tensor"):
-        treeattn.merge_state(o, l, o, l.double())
+        treeattn.merge_state(o, o_lse, o, o_lse.double())
     with pytest.raises(ValueError, match=r"lse_a must have shape \(4, 2\)"):
-        treeattn.merge_state(o, l[:, :1], o, l)
+        treeattn.merge_state(o, o_lse[:, :1], o, o_lse)
     with pytest.raises(TypeError, match="out_b has dtype torch.float16"):
-        treeattn.merge_state(o, l, o.half(), l)
+        treeattn.merge_state(o, o_lse, o.half(), o_lse)

@@ -7,7 +7,7 @@ for ``rotary_mode == 1``, in a one-statement kernel, so rotations can be compare
 Each build is cached per process, keyed by ``(kernel, h_kv, h_q, d, dtype, rope_scaling)``, because
 compiling is the expensive part (about 0.2–0.3 s per variant; running is scalar loops).
 
-Argument orders follow tvm-semantics.md §5–§6. Every wrapper poisons the TVM outputs with NaN before
+Argument orders are those of TVM's compiled CPU kernels (as its wheel builds them). Every wrapper poisons the TVM outputs with NaN before
 the call and returns the numpy copies of the index arrays it fed TVM (``fed``), so tests can assert
 that TVM saw exactly the arrays treeattn was given. TVM's constraints the caller must respect:
 page size 16, ``rope_scaling={}`` for default RoPE, inline RoPE only on the ragged kernel and only
@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 import tvm
 from tvm.relax.frontend.nn.llm._decode_kernels import _merge_state_inplace_cpu
 from tvm.relax.frontend.nn.llm._kernel_common import _rope
@@ -38,17 +37,17 @@ def _freeze(scaling: Mapping[str, Any]) -> tuple:
     return tuple(sorted(scaling.items()))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _attention_kernel(kind: str, h_kv: int, h_q: int, d: int, dtype: str, frozen_scaling: tuple):
     return tvm.compile(_BUILDERS[kind](h_kv, h_q, d, dtype, dict(frozen_scaling)), target="llvm")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _merge_kernel(dtype: str):
     return tvm.compile(_merge_state_inplace_cpu(dtype), target="llvm")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rope_kernel(d: int, dtype: str, frozen_scaling: tuple):
     scaling = dict(frozen_scaling)
 

@@ -105,6 +105,9 @@ class PagedKV:
         else:
             raise TypeError("kv_pages must be TVM's combined [num_pages, 2, h_kv, page_size, d] tensor or a "
                             f"(k_pages, v_pages) pair, got {type(kv_pages).__name__}")
+        if v.data_ptr() == k.data_ptr() and v.shape[3] > k.shape[3]:
+            raise ValueError(f"v_pages starts where k_pages does (a view of it, as MLA's latent) but has head dim "
+                             f"{v.shape[3]} > k's {k.shape[3]}: a view of K can only take K's first dims")
         if k.shape[1] < 1:
             raise ValueError(f"{'kv_pages' if layout == 'TVM' else 'k_pages'} has page_size 0")
         if k.shape[2] < 1 or k.shape[3] < 1 or v.shape[3] < 1:

@@ -9,7 +9,7 @@ per-step state from the plan (built once per step), then run.
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -88,13 +88,45 @@ def _check_positions(pos, name: str, length: int, device: torch.device) -> torch
     return pos
 
 
+def check_variants(sliding_window, logit_softcap, sinks, num_q_heads: int, device: torch.device) -> torch.Tensor | None:
+    """The attention variants' values (see ``tree_attention``); returns ``sinks`` as float32 on ``device``."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, Integral):
+            raise TypeError(f"sliding_window must be an int or None, got {type(sliding_window).__name__}")
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (keys a row sees, itself included), got {sliding_window}")
+    if logit_softcap is not None:
+        if isinstance(logit_softcap, (bool, torch.Tensor)) or not isinstance(logit_softcap, Real):
+            raise TypeError(f"logit_softcap must be a real number or None, got {type(logit_softcap).__name__}")
+        if not math.isfinite(logit_softcap) or logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be finite and > 0, got {logit_softcap}")
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32:
+        raise TypeError(f"sinks must be a float32 tensor [h_q] of natural-log logits, got "
+                        f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must have shape [{num_q_heads}] (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device}, expected {device} (all inputs of one call on one device)")
+    if sinks.numel() and not bool(torch.isfinite(sinks).all()):
+        raise ValueError("sinks must be finite")
+    return sinks
+
+
+def _variant_spec(sliding_window, logit_softcap, sinks) -> dict:
+    return {"sliding_window": None if sliding_window is None else int(sliding_window),
+            "logit_softcap": None if logit_softcap is None else float(logit_softcap), "sinks": sinks is not None}
+
+
 def _check_plan(plan, kind: str) -> None:
     if not isinstance(plan, TreeAttentionPlan) or plan.kind != kind:
         raise TypeError(f"plan must be a TreeAttentionPlan built with TreeAttentionPlan.{kind}(...)")
 
 
 def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_scale=None, rope=None,
-                   q_positions=None, k_positions=None, out=None, lse=None, backend=None, plan=None):
+                   q_positions=None, k_positions=None, sliding_window=None, logit_softcap=None, sinks=None,
+                   out=None, lse=None, backend=None, plan=None):
     """Tree attention over ragged keys/values (TVM ``tree_attn``). Returns ``(out, lse)``.
 
     ``q [Lq, h_q, d]``, ``k``/``v [Lkv, h_kv, d]``; request ``b``'s query rows are
@@ -104,12 +136,26 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
     With ``rope``, q and k are rotated at ``q_positions``/``k_positions`` first.
     ``plan`` (from ``TreeAttentionPlan.ragged``) skips re-checking the index arrays; arrays passed
     with it must be the ones it was built from, or ``None``.
+
+    Variants (each composes with the others): ``sliding_window=W`` (HF's meaning) lets a row at
+    position ``p`` see only keys at positions ``> p - W``, where prefix key ``j`` is at ``j`` and tree
+    node ``i`` at ``prefix_len + depth(i)`` (a row is at its node's position; without a tree, at the
+    last key's); ``logit_softcap=c`` turns scores into ``c * tanh(score / c)`` after ``sm_scale``
+    (Gemma 2), and the LSE is of the capped scores; ``sinks`` (float32 ``[h_q]``, natural-log logits,
+    GPT-OSS) adds one logit per query head to every softmax denominator, as a key whose value is 0:
+    ``out`` and ``lse`` then include it (a row with no keys gets ``out = 0``, ``lse = sink / ln 2``),
+    so a result with sinks merges exactly with partial results without them: pass sinks to one part
+    of a split computation only. ``v`` may have another head dim than ``q``/``k`` (``out`` takes v's),
+    e.g. MLA's absorbed form (``h_kv = 1``, ``v`` a view of ``k[..., :d_v]``).
     """
     check_float(q, "q", 3)
     check_float(k, "k", 3, q.dtype, q.device)
     check_float(v, "v", 3, q.dtype, q.device)
     if k.shape[:2] != v.shape[:2]:
         raise ValueError(f"k and v must have the same [keys, heads], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v.numel() and v.data_ptr() == k.data_ptr() and v.shape[2] > k.shape[2]:
+        raise ValueError(f"v starts where k does (a view of it, as MLA's latent) but has head dim {v.shape[2]} > "
+                         f"k's {k.shape[2]}: a view of k can only take k's first dims")
     check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k")
     if plan is None:
         plan = TreeAttentionPlan.ragged(q_indptr, kv_indptr, tree_indptr, tree_order,
@@ -137,18 +183,21 @@ def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_
             k_positions = _check_positions(k_positions, "k_positions", k.shape[0], q.device)
     elif q_positions is not None or k_positions is not None:
         raise ValueError("q_positions/k_positions are only used with rope; pass rope=treeattn.RoPE(...)")
-    spec = AttentionSpec(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], rope=rope is not None)
+    sinks = check_variants(sliding_window, logit_softcap, sinks, q.shape[1], q.device)
+    spec = AttentionSpec(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2], v.shape[2], rope=rope is not None,
+                         **_variant_spec(sliding_window, logit_softcap, sinks))
     chosen = select(backend, spec)
     state = plan.state(chosen, spec)
     out, lse = _outputs(q.shape[0], q.shape[1], v.shape[2], q, out, lse)
     if rope is not None:  # TVM's inline RoPE: rotate, round to the dtype, then attend
         q, k = chosen.rope(rope, q, q_positions), chosen.rope(rope, k, k_positions)
-    chosen.tree_attention(q, k, v, plan, state, sm_scale=sm_scale, out=out, lse=lse)
+    chosen.tree_attention(q, k, v, plan, state, sm_scale=sm_scale, out=out, lse=lse, sinks=sinks)
     return out, lse
 
 
 def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_page_len, tree_indptr,
-                         tree_order, *, kv_layout=None, sm_scale=None, out=None, lse=None, backend=None, plan=None):
+                         tree_order, *, kv_layout=None, sm_scale=None, sliding_window=None, logit_softcap=None,
+                         sinks=None, out=None, lse=None, backend=None, plan=None):
     """Tree attention over a paged KV cache (TVM ``tree_attn_with_paged_kv_cache``). Returns ``(out, lse)``.
 
     ``kv_pages`` is TVM's combined ``[num_pages, 2, h_kv, page_size, d]`` tensor (0 = K, 1 = V), or a
@@ -156,7 +205,8 @@ def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_
     the default for a pair) or ``"HND"`` (``[num_pages, h_kv, page_size, d]``), read in place with
     any strides (views into a bigger engine tensor are fine; see ``treeattn.layout``). Request ``b``
     owns pages ``page_indices[page_indptr[b]:page_indptr[b+1]]`` in order, the last one filled to
-    ``last_page_len[b]``. Same masking and outputs as ``tree_attention``.
+    ``last_page_len[b]``. Same masking, variants and outputs as ``tree_attention`` (MLA: ``v_pages`` a
+    view of ``k_pages[..., :d_v]``).
     """
     check_float(q, "q", 3)
     kv = PagedKV.wrap(kv_pages, kv_layout)
@@ -179,12 +229,13 @@ def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_
         plan.check_inputs(q_indptr=q_indptr, page_indptr=page_indptr, page_indices=page_indices,
                           last_page_len=last_page_len, tree_indptr=tree_indptr, tree_order=tree_order)
     sm_scale = resolve_sm_scale(sm_scale, q.shape[2])
+    sinks = check_variants(sliding_window, logit_softcap, sinks, q.shape[1], q.device)
     spec = AttentionSpec(q.device, q.dtype, q.shape[1], kv.num_kv_heads, q.shape[2], kv.v_head_dim,
-                         page_size=kv.page_size)
+                         page_size=kv.page_size, **_variant_spec(sliding_window, logit_softcap, sinks))
     chosen = select(backend, spec)
     state = plan.state(chosen, spec)
     out, lse = _outputs(q.shape[0], q.shape[1], kv.v_head_dim, q, out, lse)
-    chosen.paged_tree_attention(q, kv, plan, state, sm_scale=sm_scale, out=out, lse=lse)
+    chosen.paged_tree_attention(q, kv, plan, state, sm_scale=sm_scale, out=out, lse=lse, sinks=sinks)
     return out, lse
 
 

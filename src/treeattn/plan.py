@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -282,6 +283,32 @@ class TreeAttentionPlan:
                      tree_indptr=t_host, tree_order=order_host)
         return plan
 
+    @cached_property
+    def node_depths(self) -> np.ndarray:
+        """Depth of every tree node (roots 0), int64 ``[N]`` in ``tree_order``'s rows: the number of intervals
+        holding its ``enter``, less one (a +1/-1 sweep over each tree's preorder slots, all trees at once)."""
+        order = self._inputs["tree_order"].host.reshape(-1, 2)
+        if order.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        owner = np.repeat(np.arange(self.batch_size), self.tree_sizes)
+        base = self.tree_starts[owner]
+        events = np.zeros(order.shape[0] + 1, dtype=np.int64)
+        np.add.at(events, base + order[:, 0], 1)
+        np.add.at(events, base + order[:, 1], -1)
+        return np.cumsum(events)[base + order[:, 0]] - 1
+
+    def positions(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Request ``b``'s positions (for sliding windows): ``(row positions [qo_len], key positions [kv_len])``.
+        Prefix key ``j`` is at ``j``, tree node ``i`` at ``prefix + depth(i)``, a query row at its node's
+        position; without a tree every row sits at the last key's position ``kv_len - 1``."""
+        qo, kv, n, start = (int(x[b]) for x in (self.qo_lens, self.kv_lens, self.tree_sizes, self.tree_starts))
+        prefix = kv - n
+        keys = np.arange(kv, dtype=np.int64)
+        if n == 0:
+            return np.full(qo, kv - 1, dtype=np.int64), keys
+        keys[prefix:] = prefix + self.node_depths[start:start + n]
+        return keys[kv - qo:], keys
+
     def same_q_and_kv_layout(self) -> bool:
         return self.kv_starts is not None and np.array_equal(self.q_starts, self.kv_starts) and np.array_equal(self.qo_lens, self.kv_lens)
 
@@ -310,6 +337,17 @@ class TreeAttentionPlan:
                                  f"(the plan's own) or build a new plan with TreeAttentionPlan.{self.kind}(...)")
 
     # ------------------------------------------------------------------ backend state
+
+    def prepare(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                v_head_dim: int | None = None, backend=None) -> TreeAttentionPlan:
+        """Do the chosen backend's per-step host work now (work partition, device tables) rather than in the
+        first layer's call, as FlashInfer's ``plan()`` does; every later call of the step only runs."""
+        from .backends import AttentionSpec, select
+
+        spec = AttentionSpec(self.device, dtype, num_q_heads, num_kv_heads, head_dim,
+                             head_dim if v_head_dim is None else v_head_dim, page_size=self.page_size)
+        self.state(select(backend, spec), spec)
+        return self
 
     def state(self, backend: Backend, spec: AttentionSpec) -> Any:
         """The per-step state ``backend`` derives from this plan for calls like ``spec``: built on first use

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from numbers import Real
 from typing import Any
 
 import torch
+
+from .checks import as_index, as_real
 
 _REQUIRED = {
     "gptj": (),
@@ -36,13 +37,18 @@ class RoPE:
     ``scaling`` is TVM's / HF's ``rope_scaling`` dict: ``None`` or ``{}`` for the default, else it
     must name a ``rope_type`` in ``gptj, llama3, llama4, longrope, yarn`` with its parameters.
     For ``yarn``, ``inv_theta_log_scale`` defaults to ``1 / (2 ln theta)`` as TVM's KV cache fills it.
+    Numbers may be any real type (numpy scalars included); a non-number is a ``TypeError``, a value
+    out of range a ``ValueError``.
     """
 
     def __init__(self, theta: float = 10000.0, scale: float = 1.0, scaling: Mapping[str, Any] | None = None):
-        if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 1.0):
+        theta, scale = as_real(theta, "theta"), as_real(scale, "scale")
+        if not (math.isfinite(theta) and theta > 1.0):
             raise ValueError(f"theta must be a finite number > 1, got {theta!r}")
-        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0.0):
+        if not (math.isfinite(scale) and scale > 0.0):
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise TypeError(f"scaling must be a dict (HF's rope_scaling) or None, got {type(scaling).__name__}")
         scaling = dict(scaling or {})
         rope_type = scaling.get("rope_type", scaling.get("type"))
         if rope_type in (None, "default"):
@@ -56,9 +62,10 @@ class RoPE:
             missing = [k for k in _REQUIRED[rope_type] if k not in scaling]
             if missing:
                 raise ValueError(f"scaling for rope_type {rope_type!r} is missing {', '.join(missing)}")
-            for key in _REQUIRED[rope_type]:  # TVM divides by or takes logs of each of them
-                value = scaling[key]
-                if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
+            # TVM divides by or takes logs of each of them (and of yarn's inv_theta_log_scale, if given)
+            for key in _REQUIRED[rope_type] + (("inv_theta_log_scale",) if "inv_theta_log_scale" in scaling else ()):
+                value = scaling[key] = as_real(scaling[key], f"scaling[{key!r}]")
+                if not (math.isfinite(value) and value > 0):
                     raise ValueError(f"scaling[{key!r}] must be a finite number > 0, got {value!r}")
             if rope_type == "longrope" and scaling["original_max_position_embeddings"] <= 1:
                 raise ValueError("longrope scaling needs original_max_position_embeddings > 1 (TVM divides by its log)")
@@ -138,8 +145,15 @@ class RoPE:
 
     def cos_sin(self, positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``cos, sin [L, head_dim]`` for integer positions ``[L]`` (multiplier included)."""
-        if head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
+        head_dim = as_index(head_dim, "head_dim")
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim > 0, got {head_dim}")
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex() \
+                or positions.dtype == torch.bool:
+            raise TypeError("positions must be an integer tensor [L] (token positions are whole numbers), got "
+                            f"{positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__}")
+        if positions.dim() != 1:
+            raise ValueError(f"positions must be 1-D [L], got shape {tuple(positions.shape)}")
         g, divide = self.frequencies(head_dim, positions.device)
         s = positions.to(torch.float32)[:, None] * torch.tensor(self.scale, dtype=torch.float32)
         angle = s / g if divide else s * g
@@ -150,8 +164,17 @@ class RoPE:
         return cos, sin
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [L, H, d]`` at ``positions [L]``: computed in fp32, returned in ``x.dtype``."""
-        return self.rotate(x, *self.cos_sin(positions, x.shape[-1]))
+        """Rotate ``x [L, H, d]`` at integer ``positions [L]``: computed in fp32, returned in ``x.dtype``."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"x must be a float tensor [L, H, d], got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"x must be 3-D [L, H, d], got shape {tuple(x.shape)}")
+        cos_sin = self.cos_sin(positions, x.shape[-1])
+        if positions.shape[0] != x.shape[0] or positions.device != x.device:
+            raise ValueError(f"positions must have shape [{x.shape[0]}] on {x.device} (one per row of x), got "
+                             f"{tuple(positions.shape)} on {positions.device}")
+        return self.rotate(x, *cos_sin)
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

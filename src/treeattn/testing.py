@@ -164,7 +164,7 @@ def as_layout(kv_pages: torch.Tensor, layout: str):
 
 
 def to_device(batch: Batch, device) -> Batch:
-    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t
     return Batch(batch.requests, *(move(t) for t in batch.ragged_args()),
                  extra={k: move(t) for k, t in batch.extra.items()})
 

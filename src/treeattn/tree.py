@@ -1,92 +1,134 @@
 """Token trees: parent arrays, TVM's DFS ``(enter, exit)`` encoding, depths, paths, masks.
 
 A request's draft tree is a parent array ``parents[i]`` with ``-1 <= parents[i] < i`` (several
-``-1`` entries make a forest). Nodes are numbered so that a parent always precedes its children,
-which is what lets every function here run in one forward or backward sweep.
+``-1`` entries make a forest). Nodes are numbered so that a parent always precedes its children.
 
 The kernels never see the parent array: they see ``tree_order[i] = (enter[i], exit[i])``, the
 preorder number of node ``i`` and one past the last preorder number of its subtree, so that
 "``a`` is an ancestor-or-self of ``u``" is the interval test ``enter[a] <= enter[u] < exit[a]``.
 Children and roots are visited in ascending node index, which makes the arrays byte-identical to
 the ones TVM's runtime builds.
+
+The encoding runs in numpy over a whole batch of trees at once, with no Python loop over nodes
+(the KV cache encodes its trees every forward step): each tree's Euler tour is laid out as a linked
+list and ranked by pointer jumping, ``ceil(log2(2 n))`` vector steps for any shape, a 4096-deep
+chain included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Union
 
 import numpy as np
 import torch
 
+from .checks import as_index, int_vector
+
 MAX_TREE_SIZE = 4096  # generous; TVM's runtime caps an accumulated tree at 256 nodes
 
-ParentsLike = Sequence[int] | np.ndarray | torch.Tensor
+ParentsLike = Union[Sequence[int], np.ndarray, torch.Tensor, "TokenTree"]
+
+
+def _check_parents(parents: np.ndarray, sizes: np.ndarray, label) -> None:
+    """Check int64 parent arrays laid end to end (tree ``b`` has ``sizes[b]`` nodes) in one vector
+    pass; ``label(b, i)`` names node ``i`` of tree ``b`` in the error."""
+    big = np.flatnonzero(sizes > MAX_TREE_SIZE)
+    if big.size:
+        b = int(big[0])
+        raise ValueError(f"{label(b, None)} has {int(sizes[b])} nodes; at most {MAX_TREE_SIZE} are supported")
+    starts = np.cumsum(sizes) - sizes
+    local = np.arange(parents.shape[0]) - np.repeat(starts, sizes)
+    bad = np.flatnonzero((parents < -1) | (parents >= local))
+    if bad.size:
+        i = int(bad[0])
+        b = int(np.searchsorted(starts, i, side="right") - 1)
+        raise ValueError(
+            f"{label(b, int(local[i]))} = {int(parents[i])}: a parent must satisfy -1 <= parent[i] < i "
+            "(parents precede children; -1 marks a root)"
+        )
 
 
 def as_parents(parents: ParentsLike, name: str = "parents") -> np.ndarray:
     """Return ``parents`` as a validated 1-D int64 numpy array (raises ``ValueError``/``TypeError``)."""
-    if isinstance(parents, torch.Tensor):
-        if parents.is_floating_point() or parents.is_complex() or parents.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got dtype {parents.dtype}")
-        arr = parents.detach().cpu().numpy()
-    else:
-        arr = np.asarray(parents)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        elif not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name} must hold integers, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
-    arr = arr.astype(np.int64, copy=False)
-    n = arr.shape[0]
-    if n > MAX_TREE_SIZE:
-        raise ValueError(f"{name} has {n} nodes; at most {MAX_TREE_SIZE} are supported")
-    bad = np.nonzero((arr < -1) | (arr >= np.arange(n)))[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(
-            f"{name}[{i}] = {int(arr[i])}: a parent must satisfy -1 <= parent[i] < i "
-            "(parents precede children; -1 marks a root)"
-        )
+    if isinstance(parents, TokenTree):
+        return parents.parents
+    arr = int_vector(parents, name)
+    _check_parents(arr, np.array([arr.shape[0]]), lambda b, i: name if i is None else f"{name}[{i}]")
     return arr
 
 
-def _dfs_arrays(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Preorder enter numbers, subtree sizes and depths of validated parents (children and roots
-    in ascending index), in one backward and one forward sweep."""
-    n = len(parents)
-    plist = parents.tolist()
-    size = [1] * n
-    for i in range(n - 1, 0, -1):  # children come after parents: a backward sweep sums subtrees
-        p = plist[i]
-        if p >= 0:
-            size[p] += size[i]
-    enter = [0] * n
-    depth = [0] * n
-    next_slot = [0] * n  # next free preorder number below each node
-    next_root = 0
-    for i in range(n):  # ascending index visits each node's children in ascending order
-        p = plist[i]
-        if p < 0:
-            e = next_root
-            next_root += size[i]
-        else:
-            e = next_slot[p]
-            next_slot[p] += size[i]
-            depth[i] = depth[p] + 1
-        enter[i] = e
-        next_slot[i] = e + 1
-    return (np.asarray(enter, dtype=np.int64), np.asarray(size, dtype=np.int64),
-            np.asarray(depth, dtype=np.int64))
+def _encode(parents: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(tree_order int64 [N, 2], depth int64 [N])`` of validated parent arrays laid end to end
+    (tree ``b`` has ``sizes[b]`` nodes; its parents and its order are local to it).
+
+    The Euler tour of a forest enters each node, tours its children in ascending index, and leaves
+    it; the roots are toured in ascending index. Numbering the enter events in tour order gives the
+    preorder: ``enter[u]`` is the count of enter events before "enter u", ``exit[u]`` the count before
+    "leave u", and ``depth[u]`` the count of enters minus leaves before "enter u". Each event's
+    successor is local (first child, next sibling, or the parent's leave), so the tour is a linked
+    list, and suffix sums over a linked list take one pointer-jumping step per doubling (Wyllie).
+    """
+    total = parents.shape[0]
+    if total == 0:
+        return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    tree = np.repeat(np.arange(sizes.shape[0]), sizes)
+    # Siblings share a key: their parent's global index, or total + tree for a tree's roots. A stable
+    # sort by key lists each family together in ascending index, the order the tour visits it.
+    key = np.where(parents < 0, total + tree, parents + starts[tree])
+    by_key = np.argsort(key, kind="stable")
+    sorted_key = key[by_key]
+    youngest = np.append(sorted_key[1:] != sorted_key[:-1], True)  # last of its family
+    eldest = np.concatenate(([True], youngest[:-1]))
+
+    # Events: enter u = u, leave u = total + u, and one shared end of list at 2 * total.
+    end = 2 * total
+    succ = np.empty(end + 1, dtype=np.int64)
+    succ[:total] = np.arange(total, end)  # enter u -> leave u, for a leaf
+    first_child = eldest & (sorted_key < total)
+    succ[sorted_key[first_child]] = by_key[first_child]  # enter u -> enter its first child
+    # leave u -> enter its next sibling; after the youngest, leave the parent (end, after a last root)
+    succ[total + by_key] = np.where(youngest, np.minimum(sorted_key + total, end), np.append(by_key[1:], end))
+    succ[end] = end
+    # Suffix sums of two weights: enters (1 per enter event) and level (+1 per enter, -1 per leave).
+    enters = np.zeros(end + 1, dtype=np.int64)
+    enters[:total] = 1
+    level = enters.copy()
+    level[total:end] = -1
+    for _ in range(int(2 * sizes.max() - 1).bit_length()):  # until 2**k covers the longest tour
+        enters += enters[succ]  # now the sums over the 2**k events from each one (the end adds 0)
+        level += level[succ]
+        succ = succ[succ]
+    n = sizes[tree]
+    # Before "enter u" come enter[u] enters and depth[u] more enters than leaves; the tour sums to
+    # n enters and a level of 0, and each suffix sum includes its own event.
+    return np.stack([n - enters[:total], n - enters[total:end]], axis=1), -level[:total]
+
+
+def encode_trees(trees: Sequence[ParentsLike], name: str = "trees") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validate and encode a batch of trees in one go: host ``int64`` arrays
+    ``(tree_indptr [B+1], tree_order [N, 2], depth [N])``. Tree ``b`` owns rows
+    ``tree_indptr[b]:tree_indptr[b+1]``; its ``(enter, exit)`` and depths are relative to it, as TVM's.
+
+    Encode a batch with one call, not one call per tree: an encoding costs a fixed few dozen numpy
+    calls (tens of microseconds) plus a little per node, so small trees are cheap only together."""
+    if isinstance(trees, (torch.Tensor, np.ndarray, TokenTree)) or not isinstance(trees, Sequence):
+        raise TypeError(f"{name} must be a list of parent arrays, one per request, got {type(trees).__name__}")
+    arrays = [p.parents if isinstance(p, TokenTree) else int_vector(p, f"{name}[{b}]") for b, p in enumerate(trees)]
+    sizes = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    parents = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    _check_parents(parents, sizes, lambda b, i: f"{name}[{b}]" if i is None else f"{name}[{b}][{i}]")
+    indptr = np.concatenate([[0], np.cumsum(sizes)])
+    order, depth = _encode(parents, sizes)
+    return indptr, order, depth
 
 
 def order_and_depth(parents: ParentsLike, name: str = "parents") -> tuple[np.ndarray, np.ndarray]:
-    """Host ``int64`` arrays ``(tree_order [n, 2], depth [n])`` from one validation and one pair of
-    sweeps: what the KV cache needs every forward, without building tensors it would convert back."""
-    enter, size, depth = _dfs_arrays(as_parents(parents, name))
-    return np.stack([enter, enter + size], axis=1), depth
+    """Host ``int64`` arrays ``(tree_order [n, 2], depth [n])`` of one tree (see ``encode_trees``)."""
+    arr = as_parents(parents, name)
+    return _encode(arr, np.array([arr.shape[0]]))
 
 
 def tree_order(parents: ParentsLike) -> torch.Tensor:
@@ -101,36 +143,85 @@ def tree_depths(parents: ParentsLike) -> torch.Tensor:
 
 def pack_trees(trees: Sequence[ParentsLike]) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate the trees of a batch: ``(tree_indptr int32 [B+1], tree_order int32 [N, 2])``."""
-    if isinstance(trees, (torch.Tensor, np.ndarray)) or not isinstance(trees, Sequence):
-        raise TypeError("pack_trees expects a list of parent arrays, one per request")
-    orders = []
-    for b, parents in enumerate(trees):
-        orders.append(tree_order(as_parents(parents, name=f"trees[{b}]")))
-    sizes = [o.shape[0] for o in orders]
-    indptr = torch.tensor([0, *np.cumsum(sizes, dtype=np.int64).tolist()], dtype=torch.int32)
-    order = torch.cat(orders) if orders else torch.zeros(0, 2, dtype=torch.int32)
-    return indptr, order.reshape(-1, 2)
+    indptr, order, _ = encode_trees(trees)
+    return torch.from_numpy(indptr.astype(np.int32)), torch.from_numpy(order.astype(np.int32))
 
 
-def ancestor_mask(order: torch.Tensor) -> torch.Tensor:
-    """Dense ``bool [n, n]`` mask from a ``tree_order``: ``mask[u, a]`` iff ``a`` is ancestor-or-self of ``u``."""
-    enter, exit_ = order[:, 0].long(), order[:, 1].long()
-    return (enter[None, :] <= enter[:, None]) & (enter[:, None] < exit_[None, :])
+def _contains(order, enter):
+    """The interval test: does the subtree of the node(s) with ``(enter, exit)`` rows ``order``
+    contain the node(s) entered at ``enter``? Broadcasts; numpy or torch alike."""
+    return (order[..., 0] <= enter) & (enter < order[..., 1])
 
 
-@dataclass(frozen=True, eq=False)
+def ancestor_paths(order: np.ndarray, tree_indptr: np.ndarray, nodes: np.ndarray) -> list[np.ndarray]:
+    """Per tree ``b`` of a packed batch (host ``tree_order``/``tree_indptr``, every tree non-empty),
+    the local indices from its root down to ``nodes[b]`` inclusive: the ancestors-or-self by the
+    interval test. Ascending index is root first, since parents precede children. Unchecked."""
+    tree_indptr = np.asarray(tree_indptr, dtype=np.int64)
+    sizes = np.diff(tree_indptr)
+    tree = np.repeat(np.arange(sizes.shape[0]), sizes)
+    targets = order[tree_indptr[:-1] + np.asarray(nodes, dtype=np.int64), 0]
+    on_path = np.flatnonzero(_contains(order, targets[tree]))
+    counts = np.bincount(tree[on_path], minlength=sizes.shape[0])
+    return np.split(on_path - tree_indptr[tree[on_path]], np.cumsum(counts)[:-1])
+
+
+def path_sums(order: np.ndarray, tree_indptr: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per node of a packed batch, the sum of ``weights`` over its ancestors-or-self, in O(N): each
+    node adds its weight over its preorder interval (a difference array), and a node's preorder
+    slot lies inside exactly its ancestors-or-self intervals. Unchecked host arrays."""
+    tree_indptr = np.asarray(tree_indptr, dtype=np.int64)
+    base = np.repeat(tree_indptr[:-1], np.diff(tree_indptr))
+    total = order.shape[0]
+    delta = np.bincount(base + order[:, 0], weights, minlength=total + 1)
+    delta -= np.bincount(base + order[:, 1], weights, minlength=total + 1)
+    return np.cumsum(delta)[base + order[:, 0]]
+
+
+def ancestor_path(order: np.ndarray, node: int) -> np.ndarray:
+    """Indices from the root down to ``node`` inclusive, by the interval test on a host ``tree_order``
+    (what a KV cache's commit keeps of a tree). Unchecked: ``0 <= node < len(order)``."""
+    return np.flatnonzero(_contains(order, order[node, 0]))
+
+
+def ancestor_mask(order: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """Dense ``bool [n, n]`` mask from one tree's ``tree_order``: ``mask[u, a]`` iff ``a`` is
+    ancestor-or-self of ``u``. ``check=False`` skips validating ``order`` (for callers that did)."""
+    if check:
+        if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"order must be an int32 or int64 tensor [n, 2], got "
+                            f"{order.dtype if isinstance(order, torch.Tensor) else type(order).__name__}")
+        if order.dim() != 2 or order.shape[1] != 2:
+            raise ValueError(f"order must have shape [n, 2] (enter, exit), got {tuple(order.shape)}")
+        from .plan import check_tree_order  # plan imports this module: import on use
+
+        n = order.shape[0]
+        check_tree_order(order.cpu().numpy().astype(np.int64), np.zeros(1, np.int64), np.array([n]))
+    return _contains(order[None, :, :], order[:, None, 0])
+
+
 class TokenTree:
-    """One request's draft tree: the parent array plus everything derived from it.
+    """One request's tree: the parent array plus everything derived from it (order, depth, paths).
 
-    Build it with ``TokenTree(parents)`` or ``TokenTree.from_choices(choices)``.
+    Build it with ``TokenTree(parents)`` or ``TokenTree.from_choices(choices)``. Immutable: the
+    parents are a read-only array and the derived arrays are computed once, on first use.
     """
 
-    parents: np.ndarray
-    choices: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    def __init__(self, parents: ParentsLike, choices: tuple[tuple[int, ...], ...] | None = None):
+        arr = as_parents(parents).copy()
+        arr.setflags(write=False)
+        self._parents = arr
+        self._choices = choices
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "parents", as_parents(self.parents))
-        self.parents.setflags(write=False)
+    @property
+    def parents(self) -> np.ndarray:
+        """Read-only ``int64 [n]``: ``parents[i]`` of node ``i``, ``-1`` at a root."""
+        return self._parents
+
+    @property
+    def choices(self) -> tuple[tuple[int, ...], ...] | None:
+        """For a tree built ``from_choices``: node ``i``'s path of child ranks (``()`` for the root)."""
+        return self._choices
 
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]], *, root: bool = True) -> TokenTree:
@@ -140,14 +231,14 @@ class TokenTree:
         the first candidate). With ``root=True`` node 0 is the root (the last verified token) and
         length-1 choices hang below it; with ``root=False`` length-1 choices are roots (a forest).
         Nodes are numbered by (depth, path), as Medusa sorts its choices, so parents precede
-        children; ``tree.choices[i]`` is node ``i``'s path (``()`` for the root).
+        children; ``tree.choices[i]`` is node ``i``'s path (``()`` for the root). Always a plain
+        ``TokenTree``, whatever class it is called on.
         """
         paths = []
         for j, c in enumerate(choices):
-            try:
-                path = tuple(int(x) for x in c)
-            except TypeError as exc:
-                raise TypeError(f"choices[{j}] must be a sequence of ints, got {c!r}") from exc
+            if isinstance(c, (str, bytes)) or not isinstance(c, Sequence):
+                raise TypeError(f"choices[{j}] must be a sequence of ints, got {c!r}")
+            path = tuple(as_index(x, f"choices[{j}][{i}]") for i, x in enumerate(c))
             if not path:
                 raise ValueError(f"choices[{j}] is empty: the root is implicit, list only paths below it")
             if min(path) < 0:
@@ -167,46 +258,52 @@ class TokenTree:
             if up and up not in index:
                 raise ValueError(f"choice {p} has no parent: its prefix {up} is missing from choices")
             parents.append(index[up] if (up or root) else -1)
-        return cls(np.asarray(parents, dtype=np.int64), choices=tuple(ordered))
+        return TokenTree(np.asarray(parents, dtype=np.int64), choices=tuple(ordered))
 
     @property
     def size(self) -> int:
-        return int(self.parents.shape[0])
+        return int(self._parents.shape[0])
 
     def __len__(self) -> int:
         return self.size
 
     @cached_property
+    def _encoding(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``int64`` ``(tree_order [n, 2], depth [n])``."""
+        return _encode(self._parents, np.array([self.size]))
+
+    @cached_property
     def order(self) -> torch.Tensor:
         """``int32 [n, 2]`` DFS ``(enter, exit)``, as TVM builds it."""
-        return tree_order(self.parents)
+        return torch.from_numpy(self._encoding[0].astype(np.int32))
 
     @cached_property
     def depth(self) -> torch.Tensor:
         """``int32 [n]`` depth of each node (roots are 0)."""
-        return tree_depths(self.parents)
+        return torch.from_numpy(self._encoding[1].astype(np.int32))
 
     @property
     def is_chain(self) -> bool:
-        return bool(np.all(self.parents == np.arange(-1, self.size - 1)))
+        return bool(np.all(self._parents == np.arange(-1, self.size - 1)))
 
     def positions(self, prefix_len: int = 0) -> torch.Tensor:
-        """RoPE positions of the nodes, ``prefix_len + depth`` (``int32 [n]``)."""
-        return self.depth + int(prefix_len)
+        """RoPE positions of the nodes, ``prefix_len + depth`` (``int32 [n]``); ``prefix_len`` is an
+        int >= 0 (the number of tokens before the tree)."""
+        prefix_len = as_index(prefix_len, "prefix_len")
+        if not 0 <= prefix_len <= np.iinfo(np.int32).max - self.size:
+            raise ValueError(f"prefix_len must be >= 0 and keep positions in int32, got {prefix_len}")
+        return self.depth + prefix_len
 
     def path(self, node: int) -> list[int]:
         """Node indices from the root down to ``node`` (inclusive)."""
+        node = as_index(node, "node")
         if not 0 <= node < self.size:
             raise ValueError(f"node {node} is out of range for a tree of {self.size} nodes")
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = int(self.parents[node])
-        return out[::-1]
+        return ancestor_path(self._encoding[0], node).tolist()
 
     def ancestor_mask(self) -> torch.Tensor:
         """``bool [n, n]``: ``mask[u, a]`` iff ``a`` is an ancestor of ``u`` or ``u`` itself."""
-        return ancestor_mask(self.order)
+        return ancestor_mask(self.order, check=False)
 
     def __repr__(self) -> str:
-        return f"TokenTree(size={self.size}, parents={self.parents.tolist()})"
+        return f"{type(self).__name__}(size={self.size}, parents={self._parents.tolist()})"

@@ -38,10 +38,23 @@ def _why_not(backend: Backend, spec: AttentionSpec) -> str | None:
     return backend.unavailable() or backend.unsupported(spec)
 
 
+_chosen: dict[tuple[str | None, AttentionSpec], Backend] = {}
+
+
 def select(name: str | Backend | None, spec: AttentionSpec) -> Backend:
-    """The backend that runs ``spec``: ``name``'s if it can, else the fastest capable one for ``None``."""
+    """The backend that runs ``spec``: ``name``'s if it can, else the fastest capable one for ``None``.
+    Capabilities do not change while the process runs, so a choice is remembered (every layer of every
+    step asks again)."""
     if isinstance(name, Backend):
         name = name.name
+    key = (name, spec)
+    chosen = _chosen.get(key)
+    if chosen is None:
+        chosen = _chosen[key] = _select(name, spec)
+    return chosen
+
+
+def _select(name: str | None, spec: AttentionSpec) -> Backend:
     if name is not None:
         backend = get_backend(name)
         reason = _why_not(backend, spec)

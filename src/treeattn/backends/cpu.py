@@ -29,11 +29,13 @@ the merge itself and the LSE are fp32.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..layout import PagedKV
@@ -42,6 +44,7 @@ from ..plan import TreeAttentionPlan
 from ..tree import ancestor_mask
 from .base import AttentionSpec, Backend
 from .reference import masked_attention
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 # Prefixes are attended in pieces of at most this many keys, so that a head's K and V piece stays in
@@ -65,18 +68,19 @@ _PARALLEL_FLOPS = 3e7
 
 
 class _Job(NamedTuple):
-    """One request with query rows, derived once per plan."""
+    """One request with query rows, derived once per plan. Key ranges are request-relative."""
 
     request: int
     q_start: int
     q_end: int
     kv_start: int  # where its keys start in the ragged k/v (0 for paged)
     kv_len: int
-    mask_start: int  # keys before this are unmasked (the prefix, or 0 when a short prefix joins the mask)
-    mask: torch.Tensor | None  # additive [1, 1, rows * group, kv_len - mask_start] in the input dtype
-    tree_size: int
-    segments: tuple[tuple[int, int], ...]  # unmasked pieces attended one after the other
-    batched_chunks: int  # > 1: the prefix runs as one batch of this many chunks, to occupy every thread
+    unmasked: tuple[int, int]  # keys every row sees: attended without a mask (maybe in pieces)
+    masked: tuple[tuple[int, int], ...]  # key ranges attended together under ``mask`` (concatenated)
+    mask: torch.Tensor | None  # additive [1, 1, rows * group, keys in ``masked``] in the input dtype
+    tree_size: int  # the last tree_size keys of the masked block are the tree (the keys some rows cannot see)
+    segments: tuple[tuple[int, int], ...]  # pieces of ``unmasked`` attended one after the other
+    batched_chunks: int  # > 1: ``unmasked`` runs as one batch of this many chunks, to occupy every thread
 
 
 def _q_block(rows: int) -> int:
@@ -93,42 +97,54 @@ def _batched_chunks(h_kv: int, rows: int, prefix: int, threads: int) -> int:
     return max(1, min(wanted, prefix // _MIN_CHUNK))
 
 
-def _segments(prefix: int) -> tuple[tuple[int, int], ...]:
-    """Cut a prefix into near-equal pieces of at most ``_PREFIX_CHUNK`` keys."""
-    if prefix == 0:
+def _segments(start: int, end: int) -> tuple[tuple[int, int], ...]:
+    """Cut ``[start, end)`` into near-equal pieces of at most ``_PREFIX_CHUNK`` keys."""
+    if end <= start:
         return ()
-    count = -(-prefix // _PREFIX_CHUNK)
-    size = -(-prefix // count)
-    return tuple((s, min(s + size, prefix)) for s in range(0, prefix, size))
+    count = -(-(end - start) // _PREFIX_CHUNK)
+    size = -(-(end - start) // count)
+    return tuple((s, min(s + size, end)) for s in range(start, end, size))
 
 
-def _tree_mask(order: torch.Tensor, rows: int, group: int, prefix: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask of the packed rows (row ``t * group + j`` is node ``n - rows + t``) over ``prefix``
-    fully visible keys followed by the tree keys."""
-    n = order.shape[0]
-    visible = ancestor_mask(order.cpu())[n - rows:].repeat_interleave(group, dim=0)
-    mask = torch.zeros(visible.shape[0], prefix + n, dtype=dtype)
-    mask[:, prefix:].masked_fill_(~visible, float("-inf"))
-    return mask[None, None]
+def _job(plan: TreeAttentionPlan, b: int, h_kv: int, group: int, dtype: torch.dtype, threads: int,
+         window: int | None) -> _Job:
+    """Request ``b``'s work: which keys every row sees (no mask), which need a mask, which are skipped.
 
-
-def _jobs(plan: TreeAttentionPlan, h_kv: int, group: int, dtype: torch.dtype, threads: int) -> list[_Job]:
-    """Per-request work of a plan, for ``threads`` torch threads."""
-    jobs = []
-    kv_starts = plan.kv_starts.tolist() if plan.kv_starts is not None else [0] * plan.batch_size
-    for b, (qs, qo, ks, kv, ts, n) in enumerate(zip(plan.q_starts.tolist(), plan.qo_lens.tolist(), kv_starts,
-                                                    plan.kv_lens.tolist(), plan.tree_starts.tolist(),
-                                                    plan.tree_sizes.tolist())):
-        if qo == 0:
-            continue
-        prefix = kv - n
-        # A short prefix joins the tree's mask: one kernel pass instead of two plus a merge.
-        mask_start = 0 if n and prefix <= _SHORT_PREFIX else prefix
-        mask = _tree_mask(plan.tree_order[ts:ts + n], qo, group, prefix - mask_start, dtype) if n else None
-        chunks = _batched_chunks(h_kv, qo * group, mask_start, threads)
-        jobs.append(_Job(b, qs, qs + qo, ks, kv, mask_start, mask, n,
-                         _segments(mask_start) if chunks == 1 else (), chunks))
-    return jobs
+    Without a window the prefix is the unmasked part and the tree the masked one. With a window a row
+    at position ``p`` sees prefix keys from ``p - window + 1``: keys below every row's window are never
+    read, keys inside every row's window need no mask, and the few in between (as many as the tree is
+    deep) join the tree's masked block.
+    """
+    qs, qo, kv, n = (int(x[b]) for x in (plan.q_starts, plan.qo_lens, plan.kv_lens, plan.tree_sizes))
+    ks = int(plan.kv_starts[b]) if plan.kv_starts is not None else 0
+    prefix = kv - n
+    lo_min = lo_max = 0
+    if window is not None:
+        row_pos, key_pos = plan.positions(b)
+        lo = np.clip(row_pos - window + 1, 0, prefix)
+        lo_min, lo_max = int(lo.min()), int(lo.max())
+    if n == 0 and lo_min == lo_max:  # every row sees the same keys: no mask at all
+        masked, unmasked = (), (lo_min, kv)
+    elif prefix - lo_max <= _SHORT_PREFIX:  # a short unmasked part joins the mask: one kernel pass, no merge
+        masked, unmasked = ((lo_min, kv),), (lo_max, lo_max)
+    else:
+        masked, unmasked = tuple(r for r in ((lo_min, lo_max), (prefix, kv)) if r[1] > r[0]), (lo_max, prefix)
+    mask = None
+    if masked:
+        cols = torch.cat([torch.arange(a, e) for a, e in masked])
+        visible = torch.ones(qo, cols.shape[0], dtype=torch.bool)
+        if n:
+            start = int(plan.tree_starts[b])
+            tree = ancestor_mask(plan.tree_order[start:start + n].cpu())[n - qo:]
+            in_tree = cols >= prefix
+            visible[:, in_tree] = tree[:, cols[in_tree] - prefix]
+        if window is not None:
+            visible &= torch.from_numpy(key_pos)[cols][None, :] > torch.from_numpy(row_pos)[:, None] - window
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        mask = mask.repeat_interleave(group, dim=0)[None, None]  # packed row t * group + j is token t
+    chunks = _batched_chunks(h_kv, qo * group, unmasked[1] - unmasked[0], threads)
+    segments = _segments(*unmasked) if chunks == 1 else ()
+    return _Job(b, qs, qs + qo, ks, kv, unmasked, masked, mask, n, segments, chunks)
 
 
 @dataclass
@@ -148,31 +164,51 @@ class CpuPlan:
             with self._lock:
                 jobs = self._jobs.get(threads)
                 if jobs is None:
-                    jobs = _jobs(self.plan, self.spec.num_kv_heads, self.spec.group, self.spec.dtype, threads)
+                    spec = self.spec
+                    jobs = [_job(self.plan, b, spec.num_kv_heads, spec.group, spec.dtype, threads, spec.sliding_window)
+                            for b in range(self.plan.batch_size) if self.plan.qo_lens[b]]
                     self._jobs[threads] = jobs
         return jobs
 
 
 def _attend(qp: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float,
-            threads: int):
-    """Packed rows ``qp [1, h_kv, R, d]`` over ``k/v [B, h_kv, L, d]`` (any key stride, L > 0), called with
-    torch set to one thread; a large call gets ``threads``.
+            threads: int, softcap: float | None = None):
+    """Packed rows ``qp [1, h_kv, R, d]`` over ``k [B, h_kv, L, d]``, ``v [B, h_kv, L, d_v]`` (any key stride,
+    L > 0), called with torch set to one thread; a large call gets ``threads``.
 
-    Returns ``(o [B, h_kv, R, d], lse [B, h_kv, R])``, the LSE in natural log.
+    Returns ``(o [B, h_kv, R, d_v], lse [B, h_kv, R])``, the LSE in natural log.
     """
     if k.shape[0] != 1:
         qp = qp.expand(k.shape[0], -1, -1, -1)
+    d_v = v.shape[-1]
+    if d_v < k.shape[-1] and v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
+        v = k  # MLA: V is K's first d_v dims, so P @ K holds P @ V in its first d_v dims (and flash can run)
+    # The flash kernel has no soft-cap and needs one head dim for q, k and v.
+    kernel = _flash if softcap is None and k.shape[-1] == v.shape[-1] else functools.partial(_explicit, softcap=softcap)
     parallel = threads > 1 and 4.0 * k.shape[0] * k.shape[1] * qp.shape[2] * k.shape[2] * k.shape[3] >= _PARALLEL_FLOPS
-    if not parallel:
-        return _flash(qp, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
-    torch.set_num_threads(threads)
+    if parallel:
+        torch.set_num_threads(threads)
     try:
-        return _flash(qp, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
+        o, lse = kernel(qp, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
     finally:
-        torch.set_num_threads(1)
+        if parallel:
+            torch.set_num_threads(1)
+    return o[..., :d_v], lse
 
 
-def _batched_prefix(qp, k, v, chunks: int, sm_scale: float, threads: int) -> list:
+def _explicit(qp, k, v, dropout_p, is_causal, *, attn_mask, scale, softcap):
+    """The flash kernel's contract with the scores held explicitly (fp32 matmuls): for soft-capping and a
+    value head dim of its own. Pieces are at most ``_PREFIX_CHUNK`` keys, so the scores stay small."""
+    scores = torch.matmul(qp.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()).to(qp.dtype), lse
+
+
+def _batched_prefix(qp, k, v, chunks: int, sm_scale: float, threads: int, softcap: float | None) -> list:
     """Unmasked attention over a prefix ``k/v [h_kv, P, d]`` as one batch of ``chunks`` pieces (+ a remainder)."""
     prefix = k.shape[1]
     size = prefix // chunks
@@ -181,15 +217,15 @@ def _batched_prefix(qp, k, v, chunks: int, sm_scale: float, threads: int) -> lis
     def batched(x):  # the first chunks * size keys as a batch of chunks, without a copy
         return x[:, :split].unflatten(1, (chunks, size)).transpose(0, 1)
 
-    parts = [_attend(qp, batched(k), batched(v), None, sm_scale, threads)]
+    parts = [_attend(qp, batched(k), batched(v), None, sm_scale, threads, softcap)]
     if split < prefix:
-        parts.append(_attend(qp, k[None, :, split:], v[None, :, split:], None, sm_scale, threads))
+        parts.append(_attend(qp, k[None, :, split:], v[None, :, split:], None, sm_scale, threads, softcap))
     return parts
 
 
 def _write(parts: list, out_rows: torch.Tensor, lse_rows: torch.Tensor, h_kv: int) -> None:
     """Merge partial results ``(o [B, h_kv, R, d], lse_ln [B, h_kv, R])`` into ``out_rows [T, h_q, d]``."""
-    rows, h_q, d = out_rows.shape
+    rows, h_q, d = out_rows.shape  # d: the value head dim
     group = h_q // h_kv
     out_view = out_rows.view(rows, h_kv, group, d)
     lse_view = lse_rows.view(rows, h_kv, group)
@@ -223,49 +259,66 @@ def _write(parts: list, out_rows: torch.Tensor, lse_rows: torch.Tensor, h_kv: in
 _Fetch = Callable[[_Job, int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _run(q: torch.Tensor, h_kv: int, jobs: list[_Job], fetch: _Fetch, sm_scale: float, out, lse,
-         threads: int) -> None:
+class _Step(NamedTuple):
+    """A call's values: what every job of it shares."""
+
+    sm_scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None  # float32 [h_q], natural log
+    threads: int
+
+
+def _run(q: torch.Tensor, h_kv: int, jobs: list[_Job], fetch: _Fetch, step: _Step, out, lse) -> None:
     """Attend every job; ``fetch(job, start, end)`` returns its keys/values ``[h_kv, end - start, d]``.
     Everything but large kernel calls runs on this thread (see ``_PARALLEL_FLOPS``)."""
     torch.set_num_threads(1)
     try:
-        _run_jobs(q, h_kv, jobs, fetch, sm_scale, out, lse, threads)
+        for job in jobs:
+            _run_job(q, h_kv, job, fetch, step, out[job.q_start:job.q_end], lse[job.q_start:job.q_end])
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(step.threads)
 
 
-def _run_jobs(q, h_kv: int, jobs: list[_Job], fetch: _Fetch, sm_scale: float, out, lse, threads: int) -> None:
-    d = q.shape[2]
-    for job in jobs:
-        qs, qe = job.q_start, job.q_end
-        if job.kv_len == 0:  # no keys at all
-            out[qs:qe].zero_()
-            lse[qs:qe].fill_(EMPTY_LSE)
-            continue
-        rows = qe - qs
-        qp = q[qs:qe].view(rows, h_kv, -1, d).transpose(0, 1).reshape(1, h_kv, -1, d)
-        parts = []
-        if job.batched_chunks > 1:
-            parts += _batched_prefix(qp, *fetch(job, 0, job.mask_start), job.batched_chunks, sm_scale, threads)
-        for start, end in job.segments:
-            k, v = fetch(job, start, end)
-            parts.append(_attend(qp, k[None], v[None], None, sm_scale, threads))
-        if job.mask is not None:
-            k, v = fetch(job, job.mask_start, job.kv_len)
-            tree = slice(k.shape[1] - job.tree_size, None)  # the keys some rows cannot see
-            if bool(torch.isfinite(k[:, tree]).all()) and bool(torch.isfinite(v[:, tree]).all()):
-                parts.append(_attend(qp, k[None], v[None], job.mask, sm_scale, threads))
-            else:
-                parts.append(_exact_masked(q[qs:qe], k, v, job.mask, sm_scale))
-        _write(parts, out[qs:qe], lse[qs:qe], h_kv)
+def _run_job(q, h_kv: int, job: _Job, fetch: _Fetch, step: _Step, out_rows, lse_rows) -> None:
+    sm_scale, softcap, threads = step.sm_scale, step.softcap, step.threads
+    rows = job.q_end - job.q_start
+    qp = q[job.q_start:job.q_end].view(rows, h_kv, -1, q.shape[2]).transpose(0, 1).reshape(1, h_kv, -1, q.shape[2])
+    parts = []
+    if job.batched_chunks > 1:
+        parts += _batched_prefix(qp, *fetch(job, *job.unmasked), job.batched_chunks, sm_scale, threads, softcap)
+    for start, end in job.segments:
+        k, v = fetch(job, start, end)
+        parts.append(_attend(qp, k[None], v[None], None, sm_scale, threads, softcap))
+    if job.mask is not None:
+        k, v = fetch(job, *job.masked[-1])
+        if len(job.masked) == 2:  # window edge + tree: a few keys each, concatenated (fetches reuse a buffer)
+            k_edge, v_edge = fetch(job, *job.masked[0])
+            k, v = torch.cat([k_edge, k], dim=1), torch.cat([v_edge, v], dim=1)
+        tree = slice(k.shape[1] - job.tree_size, None)  # the keys some rows cannot see
+        # One reduction: the sum is finite iff every value is (an overflowing sum only costs the exact path).
+        if bool(torch.isfinite(k[:, tree].sum(dtype=torch.float32) + v[:, tree].sum(dtype=torch.float32))):
+            parts.append(_attend(qp, k[None], v[None], job.mask, sm_scale, threads, softcap))
+        else:
+            parts.append(_exact_masked(q[job.q_start:job.q_end], k, v, job.mask, sm_scale, softcap))
+    if parts:
+        _write(parts, out_rows, lse_rows, h_kv)
+    else:  # no keys at all
+        out_rows.zero_()
+        lse_rows.fill_(EMPTY_LSE)
+    if step.sinks is not None:  # the sink is one more part: a key of value 0 with logit sink
+        sink_lse = (step.sinks * LOG2E).expand_as(lse_rows)
+        total = torch.where(lse_rows == EMPTY_LSE, sink_lse, torch.logaddexp2(lse_rows, sink_lse))
+        out_rows.mul_(torch.exp2(lse_rows - total).unsqueeze(-1).to(out_rows.dtype))
+        lse_rows.copy_(total)
 
 
-def _exact_masked(q_rows, k, v, mask, sm_scale: float):
+def _exact_masked(q_rows, k, v, mask, sm_scale: float, softcap: float | None):
     """The masked block through the reference formula in fp32 (keys a row cannot see are left out, so
     non-finite values there cannot reach it), returned packed like a kernel part."""
     h_kv, group = k.shape[0], q_rows.shape[1] // k.shape[0]
     visible = mask[0, 0, ::group] == 0  # packed row t * group + j belongs to token t
-    o, lse2 = masked_attention(q_rows.float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), visible, sm_scale)
+    o, lse2 = masked_attention(q_rows.float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), visible, sm_scale,
+                               softcap)
     rows = q_rows.shape[0]
     o = o.to(q_rows.dtype).view(rows, h_kv, group, -1).transpose(0, 1).reshape(1, h_kv, rows * group, -1)
     lse_ln = (lse2 / LOG2E).view(rows, h_kv, group).transpose(0, 1).reshape(1, h_kv, rows * group)
@@ -285,8 +338,6 @@ class CpuBackend(Backend):
     def unsupported(self, spec: AttentionSpec) -> str | None:
         if spec.device.type != "cpu":
             return f"needs CPU tensors, got tensors on {spec.device}"
-        if spec.v_head_dim != spec.head_dim:
-            return f"value head dim {spec.v_head_dim} differs from the key head dim {spec.head_dim}"
         return None
 
     def plan(self, plan: TreeAttentionPlan, spec: AttentionSpec) -> CpuPlan:
@@ -297,14 +348,14 @@ class CpuBackend(Backend):
                         zip(plan.page_starts.tolist(), plan.num_pages.tolist())]
         return CpuPlan(plan, spec, page_ids)
 
-    def tree_attention(self, q, k, v, plan, state: CpuPlan, *, sm_scale, out, lse) -> None:
+    def tree_attention(self, q, k, v, plan, state: CpuPlan, *, sm_scale, out, lse, sinks=None) -> None:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [h_kv, Lkv, d] views: the kernel reads them in place
 
         def fetch(job: _Job, start: int, end: int):
             return keys[:, job.kv_start + start:job.kv_start + end], values[:, job.kv_start + start:job.kv_start + end]
 
-        threads = torch.get_num_threads()
-        _run(q, k.shape[1], state.jobs(threads), fetch, sm_scale, out, lse, threads)
+        step = _Step(sm_scale, state.spec.logit_softcap, sinks, torch.get_num_threads())
+        _run(q, k.shape[1], state.jobs(step.threads), fetch, step, out, lse)
 
     def _buffer(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
         buf = getattr(self._scratch, "buf", None)
@@ -314,8 +365,8 @@ class CpuBackend(Backend):
             self._scratch.buf = buf
         return buf[:elements]
 
-    def paged_tree_attention(self, q, kv: PagedKV, plan, state: CpuPlan, *, sm_scale, out, lse) -> None:
-        page_size, h_kv = kv.page_size, kv.num_kv_heads
+    def paged_tree_attention(self, q, kv: PagedKV, plan, state: CpuPlan, *, sm_scale, out, lse, sinks=None) -> None:
+        page_size, h_kv, shared = kv.page_size, kv.num_kv_heads, kv.shares_storage()
 
         def fetch(job: _Job, start: int, end: int):
             # Gather the pages covering [start, end) into [h_kv, keys, d] per tensor: one key stride per
@@ -323,16 +374,19 @@ class CpuBackend(Backend):
             first, last = start // page_size, -(-end // page_size)
             ids = state.page_ids[job.request][first:last]
             size = h_kv * ids.shape[0] * page_size * kv.head_dim
+            lo, hi = start - first * page_size, end - first * page_size
+            if shared:  # MLA: gather the latent once; V is a view of its first dims
+                k = PagedKV.gather_heads(kv.k, ids, self._buffer(size, q.dtype))[:, lo:hi]
+                return k, k[..., :kv.v_head_dim]
             buf = self._buffer(size + h_kv * ids.shape[0] * page_size * kv.v_head_dim, q.dtype)
             k = PagedKV.gather_heads(kv.k, ids, buf[:size])
             v = PagedKV.gather_heads(kv.v, ids, buf[size:])
-            lo, hi = start - first * page_size, end - first * page_size
             return k[:, lo:hi], v[:, lo:hi]
 
-        threads = torch.get_num_threads()
-        _run(q, h_kv, state.jobs(threads), fetch, sm_scale, out, lse, threads)
+        step = _Step(sm_scale, state.spec.logit_softcap, sinks, torch.get_num_threads())
+        _run(q, h_kv, state.jobs(step.threads), fetch, step, out, lse)
 
     def merge_state(self, out_a, lse_a, out_b, lse_b, *, out, lse) -> None:
-        o, l = merge(out_a, lse_a, out_b, lse_b, torch.float32)
-        out.copy_(o)
-        lse.copy_(l)
+        merged, merged_lse = merge(out_a, lse_a, out_b, lse_b, torch.float32)
+        out.copy_(merged)
+        lse.copy_(merged_lse)

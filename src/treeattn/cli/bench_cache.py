@@ -58,7 +58,7 @@ def _kernel_plan(cache: PagedKVCache, ids: list[int], trees: list[list[int]]) ->
     lengths = [cache.seq_len(i) for i in ids]
     tree_indptr, order = pack_trees(trees)
     last = [n - (len(p) - 1) * cache.page_size for n, p in zip(lengths, pages)]
-    indptr = lambda xs: torch.tensor([0, *np.cumsum(xs).tolist()], dtype=torch.int32)  # noqa: E731
+    indptr = lambda xs: torch.tensor([0, *np.cumsum(xs).tolist()], dtype=torch.int32)
     return TreeAttentionPlan.paged(indptr([len(t) for t in trees]), indptr([len(p) for p in pages]),
                                    torch.tensor(sum(pages, []), dtype=torch.int32),
                                    torch.tensor(last, dtype=torch.int32), tree_indptr, order,

@@ -587,6 +587,8 @@ def add_cpu_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip a TVM kernel where its calls would take longer than this")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="wall time (default) or this process's CPU time (steady on a shared machine with --threads 1)")
+    parser.add_argument("--variants", action="store_true",
+                        help="instead of the grid: the attention variants' cost and MLA vs SDPA (variants.md)")
     parser.add_argument("--threads", type=int,
                         help="torch threads (default: one per core); the report is then named cpu-threadsN")
 
@@ -594,6 +596,11 @@ def add_cpu_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def main_cpu_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.variants:
+        from .bench_variants import run_variants_bench
+
+        run_variants_bench(repeats=args.repeats, warmup=args.warmup, out_dir=args.out)
+        return 0
     dtypes = list(DTYPES) if "all" in args.dtype else list(dict.fromkeys(args.dtype))
     methods = list(args.methods or METHODS)
     if args.no_flex or args.quick:

@@ -1,7 +1,7 @@
 """Paged KV cache for tree speculative decoding: draft trees over several rounds, then commit.
 
-The runtime TVM's ``PagedKVCache`` provides around its tree kernels (tvm-semantics.md §7–§9), with
-its runtime bugs fixed (§8.8): every sequence of a commit is compacted (Q1), trees keep their masks
+The runtime TVM's ``PagedKVCache`` provides around its tree kernels (docs/semantics.md, "KV-cache
+runtime"), with its runtime bugs fixed: every sequence of a commit is compacted (Q1), trees keep their masks
 whatever else is in the batch (Q2), node indices are relative to the whole uncommitted tree and a
 commit drops all of it but the accepted path (Q3), and plain appends are always causal (Q4).
 
@@ -154,13 +154,28 @@ class PagedKVCache:
     ``"paged"`` (append its K/V, then one paged tree-attention call; the faster one on CPU, see
     ``bench/results/cache.md``) or ``"merge"`` (TVM's path: ragged attention over the new tokens,
     unmasked paged attention over the prefix, LSE merge). Later rounds always append first.
+    ``num_q_heads`` (optional) lets ``begin_forward`` do the backends' per-step host work for the
+    whole forward, so that ``attention`` only runs kernels.
+
+    Attention variants are per layer, passed to ``attention`` (Gemma alternates sliding-window and
+    global layers). ``v_head_dim < head_dim`` makes an MLA cache: it stores one latent per token and
+    head, ``kv_pages`` is ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]`` and V is the
+    latent's first ``v_head_dim`` dims (``attention`` then takes ``v=None``).
+
+    Thread safety: a cache is used by one thread at a time. A call made while another thread is inside
+    the cache, or a layer run by another thread than the one that opened the forward, raises
+    ``RuntimeError`` at once (nothing changes); use one cache per thread or serialise the calls.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int, page_size: int = 16,
                  dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu", backend: str | None = None,
-                 rope: RoPE | None = None, first_round: str = "paged"):
+                 rope: RoPE | None = None, first_round: str = "paged", num_q_heads: int | None = None,
+                 v_head_dim: int | None = None):
         sizes = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                  "num_pages": num_pages, "page_size": page_size}
+        for name, value in (("num_q_heads", num_q_heads), ("v_head_dim", v_head_dim)):
+            if value is not None:
+                sizes[name] = value
         for name, value in sizes.items():
             if _int(value, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -175,23 +190,36 @@ class PagedKVCache:
             raise ValueError(f"first_round must be 'merge' or 'paged', got {first_round!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.dtype, self.rope, self.first_round = page_size, dtype, rope, first_round
-        self.kv_pages = torch.zeros(num_layers, num_pages, 2, num_kv_heads, page_size, head_dim,
-                                    dtype=dtype, device=device)
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if self.v_head_dim > head_dim:
+            raise ValueError(f"v_head_dim = {v_head_dim} must be <= head_dim = {head_dim} (an MLA cache's V is the "
+                             "first v_head_dim dims of the latent K)")
+        self.latent = self.v_head_dim != head_dim
+        pair = () if self.latent else (2,)
+        self.kv_pages = torch.zeros(num_layers, num_pages, *pair, num_kv_heads, page_size, head_dim, dtype=dtype,
+                                    device=device)
         self.device = self.kv_pages.device
-        # Fail now, not at the first attention(), if the backend cannot serve this cache (the query head
-        # count is not known yet: the check uses one query head per KV head).
-        select(backend, AttentionSpec(self.device, dtype, num_kv_heads, num_kv_heads, head_dim, head_dim,
-                                      page_size=page_size))
-        self.backend = backend
-        self._layers = [PagedKV.wrap(self.kv_pages[layer]) for layer in range(num_layers)]
+        if num_q_heads is not None and num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads = {num_q_heads} must be a multiple of num_kv_heads = {num_kv_heads}")
+        # Fail now, not at the first attention(), if the backend cannot serve this cache (without
+        # num_q_heads the check assumes one query head per KV head).
+        select(backend, AttentionSpec(self.device, dtype, num_q_heads or num_kv_heads, num_kv_heads, head_dim,
+                                      self.v_head_dim, page_size=page_size))
+        self.backend, self.num_q_heads = backend, num_q_heads
+        self._layers = [self._pages(self.kv_pages[layer]) for layer in range(num_layers)]
         # Every layer's pages as one pool (layer l's page p is page l * num_pages + p): one copy moves a
         # token in all layers at once.
-        self._all_layers = PagedKV.wrap(self.kv_pages.view(num_layers * num_pages, 2, num_kv_heads, page_size,
-                                                          head_dim))
+        self._all_layers = self._pages(self.kv_pages.flatten(0, 1))
         self._pool = PagePool(num_pages)
         self._seqs: dict[Hashable, SequenceState] = {}
         self._fwd: _OpenForward | None = None
         self._lock = threading.Lock()
+
+    def _pages(self, storage: torch.Tensor) -> PagedKV:
+        """The page view of some layers' storage: TVM's combined layout, or an MLA latent with V a view of it."""
+        if self.latent:
+            return PagedKV.wrap((storage, storage[..., :self.v_head_dim]), "HND")
+        return PagedKV.wrap(storage)
 
     # ------------------------------------------------------------------ queries
 
@@ -329,6 +357,11 @@ class PagedKVCache:
         try:
             step = plan_step(steps, page_size=ps, num_pages=self.num_pages, device=self.device,
                              merge_first_round=self.first_round == "merge")
+            if self.num_q_heads is not None:  # the backends' per-step host work, now rather than in layer 0
+                for plan in (step.paged, step.ragged):
+                    if plan is not None:
+                        plan.prepare(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                     head_dim=self.head_dim, dtype=self.dtype, backend=self.backend)
         except BaseException:
             self._pool.release(fresh)
             raise
@@ -351,12 +384,15 @@ class PagedKVCache:
         return info
 
     @_exclusive
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                  sm_scale: float | None = None) -> torch.Tensor:
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, *,
+                  sm_scale: float | None = None, sliding_window: int | None = None,
+                  logit_softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this layer's new ``k, v [T, h_kv, d]`` and return the attention of ``q [T, h_q, d]``.
 
         Row ``t`` attends to its sequence's committed prefix and its tree ancestors-or-self (plain
-        appends: causal). Everything is checked before anything is written.
+        appends: causal). ``sliding_window``, ``logit_softcap`` and ``sinks`` are this layer's variants
+        (see ``treeattn.tree_attention``; positions are the tokens' positions in their sequence). An MLA
+        cache takes ``v=None``. Everything is checked before anything is written.
         """
         fwd = self._fwd
         if fwd is None:
@@ -367,22 +403,29 @@ class PagedKVCache:
                                "begin_forward and end_forward")
         self._check_qkv(q, k, v, fwd.info.num_tokens)
         sm_scale = resolve_sm_scale(sm_scale, self.head_dim)
+        sinks = ops.check_variants(sliding_window, logit_softcap, sinks, q.shape[1], q.device)
+        step = fwd.step
+        if sliding_window is not None and not step.append_first:
+            raise ValueError("sliding_window needs first_round='paged' (the default): the merge path attends the "
+                             "prefix without the rows' positions")
         if self.rope is not None:
             if fwd.cos_sin is None:
                 fwd.cos_sin = self.rope.cos_sin(fwd.info.positions, self.head_dim)
             q, k = RoPE.rotate(q, *fwd.cos_sin), RoPE.rotate(k, *fwd.cos_sin)
-        kv, step, backend = self._layers[layer], fwd.step, self.backend
+        if self.latent:
+            v = k[..., :self.v_head_dim]
+        kv, backend = self._layers[layer], self.backend
+        variants = dict(sm_scale=sm_scale, logit_softcap=logit_softcap, backend=backend)
         # The same public calls users make, with the step's plans (index arrays: the plans' own).
         if step.append_first:
             kv.write(step.new_slots, k, v)
-            out, _ = ops.paged_tree_attention(q, None, kv, None, None, None, None, None, sm_scale=sm_scale,
-                                              backend=backend, plan=step.paged)
-        else:
-            out, lse = ops.tree_attention(q, None, k, v, None, None, None, sm_scale=sm_scale, backend=backend,
-                                          plan=step.ragged)
+            out, _ = ops.paged_tree_attention(q, None, kv, None, None, None, None, None, plan=step.paged,
+                                              sliding_window=sliding_window, sinks=sinks, **variants)
+        else:  # the sinks join one part only, so that the merge counts them once
+            out, lse = ops.tree_attention(q, None, k, v, None, None, None, plan=step.ragged, sinks=sinks, **variants)
             if step.paged is not None:
                 prefix_out, prefix_lse = ops.paged_tree_attention(q, None, kv, None, None, None, None, None,
-                                                                  sm_scale=sm_scale, backend=backend, plan=step.paged)
+                                                                  plan=step.paged, **variants)
                 ops.merge_state(out, lse, prefix_out, prefix_lse, out=out, lse=lse, backend=backend)
             kv.write(step.new_slots, k, v)
         fwd.done[layer] = True
@@ -522,7 +565,13 @@ class PagedKVCache:
         return trees
 
     def _check_qkv(self, q, k, v, rows: int) -> None:
+        if self.latent and v is not None:
+            raise ValueError("this MLA cache stores V as the first v_head_dim dims of K: pass v=None")
+        if not self.latent and v is None:
+            raise ValueError("v is required (only an MLA cache, with v_head_dim < head_dim, takes v=None)")
         for name, x in (("q", q), ("k", k), ("v", v)):
+            if x is None:
+                continue
             check_float(x, name, 3)
             if x.dtype != self.dtype:
                 raise TypeError(f"{name} has dtype {x.dtype}, but the cache stores {self.dtype}")

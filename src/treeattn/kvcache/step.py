@@ -1,6 +1,6 @@
 """Turn one forward of the paged KV cache into a ``StepPlan`` (kernel plans and new-token slots), once.
 
-Two ways to attend, as in TVM's runtime (tvm-semantics.md §7, §8.3):
+Two ways to attend, as in TVM's runtime (docs/semantics.md, "KV-cache runtime"):
 
 * **append first** (one kernel per layer): write the new K/V into the pages, then run the paged
   tree kernel over each sequence's whole cache with its accumulated tree as the last keys and the

@@ -204,7 +204,7 @@ class LlamaTreeModel:
     def new_cache(self, num_pages: int, *, page_size: int = 16, backend: str | None = None) -> PagedKVCache:
         c = self.config
         return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_pages=num_pages, page_size=page_size,
-                            dtype=self.dtype, device=self.device, backend=backend)
+                            dtype=self.dtype, device=self.device, backend=backend, num_q_heads=c.num_heads)
 
     # ------------------------------------------------------------------ compute
 

@@ -17,92 +17,129 @@ every verification step emits at least one token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..tree import as_parents
+from ..checks import as_index, as_real, int_vector
+from ..tree import TokenTree, ancestor_paths, encode_trees, path_sums
 
 __all__ = ["DraftTree", "SamplingParams", "VerifyResult", "target_probs", "verify", "verify_greedy", "verify_sampling"]
 
+# How far a draft_probs row's sum may be from 1: fp32 sums of a large vocabulary round to ~1e-4,
+# 16-bit rows (rounded per entry to 2**-8 relative) to ~1e-2.
+_ROW_SUM_TOL = {torch.float16: 2e-2, torch.bfloat16: 2e-2}
+_ROW_SUM_TOL_DEFAULT = 1e-3
 
-@dataclass(frozen=True, eq=False)
-class DraftTree:
-    """One request's draft: ``tokens[i]`` at node ``i``, ``parents[i]`` its parent.
+
+class DraftTree(TokenTree):
+    """One request's draft: a ``TokenTree`` with ``tokens[i]`` at node ``i``.
 
     ``parents[0] == -1`` (node 0 is the root = the last accepted token) and every other node has
     ``0 <= parents[i] < i``. ``draft_probs`` (optional, ``float [n, V]``) says how the tokens were
     drawn, for ``verify_sampling``: row ``i`` is the distribution node ``i``'s token was sampled from,
     *given the tree above it and its earlier siblings* (a drafter that samples siblings without
     replacement passes the renormalised remainder; one that samples them independently passes the
-    same row for each). Row 0 is ignored. ``None`` means every token was chosen deterministically
-    (prompt lookup, top-k of a draft head): a point mass at the drafted token.
+    same row for each). Row 0 is ignored; every other row must be a distribution (finite, >= 0,
+    summing to 1 within 1e-3, 2e-2 for 16-bit rows) that gives its node's token a positive
+    probability, or the lossless guarantee would not hold. ``None`` means every token was chosen
+    deterministically (prompt lookup, top-k of a draft head): a point mass at the drafted token.
     """
 
-    tokens: np.ndarray
-    parents: np.ndarray
-    draft_probs: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        parents = as_parents(self.parents, "parents")
-        tokens = np.asarray(self.tokens)
-        if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
-            raise TypeError(f"tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
-        tokens = tokens.astype(np.int64, copy=False)
+    def __init__(self, tokens, parents, draft_probs: torch.Tensor | None = None):
+        super().__init__(parents)
+        parents = self.parents
+        tokens = int_vector(tokens, "tokens")
         if tokens.shape != parents.shape or tokens.size == 0:
             raise ValueError(f"tokens ({tokens.shape[0]}) and parents ({parents.shape[0]}) must have the same, "
                              "non-zero length")
         if parents[0] != -1 or (parents[1:] < 0).any():
             raise ValueError("parents must describe one tree rooted at node 0: parents[0] == -1, all others >= 0")
         if (tokens < 0).any():
-            raise ValueError("tokens must be non-negative token ids")
-        if self.draft_probs is not None:
-            q = self.draft_probs
-            if not isinstance(q, torch.Tensor) or not q.is_floating_point() or q.dim() != 2 or q.shape[0] != tokens.size:
-                raise ValueError(f"draft_probs must be a float tensor of shape [{tokens.size}, vocab]")
+            i = int(np.argmax(tokens < 0))
+            raise ValueError(f"tokens[{i}] = {int(tokens[i])}: tokens must be non-negative token ids")
+        if draft_probs is not None:
+            _check_draft_probs(draft_probs, tokens)
+        tokens = tokens.copy()
         tokens.setflags(write=False)
-        parents.setflags(write=False)
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "parents", parents)
+        self._tokens = tokens
+        self._draft_probs = draft_probs
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Read-only ``int64 [n]`` token ids, ``tokens[0]`` the root's."""
+        return self._tokens
+
+    @property
+    def draft_probs(self) -> torch.Tensor | None:
+        return self._draft_probs
 
     @classmethod
     def root_only(cls, token: int) -> DraftTree:
         """A tree with no drafts: verification then emits exactly one token (plain decoding)."""
-        return cls(np.array([token], dtype=np.int64), np.array([-1], dtype=np.int64))
+        return cls([as_index(token, "token")], [-1])
 
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
 
-    def __len__(self) -> int:
-        return self.size
-
-    def path(self, node: int) -> list[int]:
-        """Node indices from the root to ``node``, inclusive."""
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = int(self.parents[node])
-        return out[::-1]
+def _check_draft_probs(q, tokens: np.ndarray) -> None:
+    n = tokens.shape[0]
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        raise TypeError(f"draft_probs must be a float tensor [{n}, vocab], got "
+                        f"{q.dtype if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dim() != 2 or q.shape[0] != n:
+        raise ValueError(f"draft_probs must have shape [{n}, vocab] (one row per node), got {tuple(q.shape)}")
+    vocab = q.shape[1]
+    if (tokens >= vocab).any():
+        i = int(np.argmax(tokens >= vocab))
+        raise ValueError(f"tokens[{i}] = {int(tokens[i])} is outside draft_probs' vocabulary of {vocab}")
+    if n == 1:
+        return
+    rows = q[1:].float()  # row 0 (the root's) is ignored
+    at_token = rows[torch.arange(n - 1, device=q.device), torch.from_numpy(tokens[1:]).to(q.device)]
+    # One host transfer for all three checks (q may live on a GPU): per row, [valid entries, sum, q(token)].
+    valid, sums, at_token = torch.stack([(torch.isfinite(rows) & (rows >= 0)).all(dim=1).float(),
+                                         rows.sum(dim=1), at_token]).cpu()
+    bad_entries = valid == 0
+    bad_sum = ~bad_entries & ((sums - 1).abs() > _ROW_SUM_TOL.get(q.dtype, _ROW_SUM_TOL_DEFAULT))
+    bad_token = ~bad_entries & ~(at_token > 0)
+    first = (bad_entries | bad_sum | bad_token).nonzero()
+    if first.numel() == 0:
+        return
+    i = int(first[0])
+    row = f"draft_probs[{i + 1}]"
+    if bad_entries[i]:
+        raise ValueError(f"{row} has a NaN, infinite or negative entry: each row must be a distribution")
+    if bad_sum[i]:
+        raise ValueError(f"{row} sums to {float(sums[i]):.6g}, expected 1: each row must be a distribution")
+    raise ValueError(f"draft_probs[{i + 1}, tokens[{i + 1}]] = 0: node {i + 1}'s token could not have been drawn "
+                     "from its row")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Target sampling: ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off)."""
+    """Target sampling: ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p`` (1 = off).
+
+    Any temperature > 0 samples, however small: ``target_probs`` shifts the logits by their row
+    maximum before dividing, so nothing overflows, and as the temperature tends to 0 the law tends
+    to the uniform law over the row's maxima (greedy, temperature 0, takes the lowest-index one).
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        object.__setattr__(self, "temperature", as_real(self.temperature, "temperature"))
+        object.__setattr__(self, "top_k", as_index(self.top_k, "top_k"))
+        object.__setattr__(self, "top_p", as_real(self.top_p, "top_p"))
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -128,14 +165,23 @@ class VerifyResult:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """float32 probabilities ``[N, V]`` after temperature, top-k and top-p (nucleus) filtering.
+    """float32 probabilities ``[..., V]`` after temperature, top-k and top-p (nucleus) filtering.
 
     Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (at least one).
     A drafter that samples should draw from this same function so that its ``q`` matches.
     """
+    _check_params(params)
     if params.greedy:
         raise ValueError("temperature 0 is greedy decoding: use verify_greedy")
-    x = logits.float() / params.temperature
+    _check_logits(logits)
+    return _target_probs(logits, params)
+
+
+def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    x = logits.float()
+    # Shift by the row maximum before dividing: (x - max) / t <= 0 cannot overflow for any t > 0
+    # (a tiny t sends every non-maximal logit to -inf, the t -> 0 limit), while x / t could give inf - inf.
+    x = (x - x.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -148,62 +194,78 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
+def _check_params(params) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams (or None for greedy), got {type(params).__name__}")
+
+
+def _check_logits(logits, rows: int | None = None) -> None:
+    """A float tensor ``[rows, vocab]`` whose every row has a finite maximum: NaN anywhere in a row,
+    +inf, or a row of only -inf leaves no well-defined target token."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise TypeError(f"logits must be a float tensor [nodes, vocab], got "
+                        f"{logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if rows is not None and (logits.dim() != 2 or logits.shape[0] != rows):
+        raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [{rows}, vocab]: 2-D, with one row "
+                         "per tree node")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits has an empty vocabulary dimension")
+    bad = ~torch.isfinite(logits.amax(dim=-1)).reshape(-1)  # amax propagates NaN
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0])
+        raise ValueError(f"logits row {r} has a NaN, a +inf or no finite entry: no target token is defined")
+
+
 @dataclass(frozen=True)
 class _Packed:
-    """A batch of trees laid out flat (host arrays): parents as global indices, -1 at roots."""
+    """A batch of trees laid out flat (host arrays)."""
 
     tokens: np.ndarray  # int64 [N]
-    parents: np.ndarray  # int64 [N], global
-    sizes: np.ndarray  # int64 [B]
-    starts: np.ndarray  # int64 [B]
+    parents: np.ndarray  # int64 [N], global indices, -1 at the roots
+    indptr: np.ndarray  # int64 [B+1]: tree b is rows indptr[b]:indptr[b+1]
+    order: np.ndarray  # int64 [N, 2], tree-relative (enter, exit)
     depth: np.ndarray  # int64 [N]
-    max_depth: int
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.indptr[:-1]
 
 
 def _pack(trees: Sequence[DraftTree]) -> _Packed:
+    if isinstance(trees, (TokenTree, torch.Tensor, np.ndarray, str)) or not isinstance(trees, Sequence):
+        raise TypeError(f"trees must be a list of DraftTree, one per request, got {type(trees).__name__}"
+                        + (": wrap a single tree in a list" if isinstance(trees, TokenTree) else ""))
     if not trees:
         raise ValueError("trees is empty: verify needs at least one request")
     for b, t in enumerate(trees):
         if not isinstance(t, DraftTree):
             raise TypeError(f"trees[{b}] must be a DraftTree, got {type(t).__name__}")
-    sizes = np.fromiter((t.size for t in trees), dtype=np.int64, count=len(trees))
-    starts = np.cumsum(sizes) - sizes
-    tokens = np.concatenate([t.tokens for t in trees])
+    indptr, order, depth = encode_trees(trees)
     local = np.concatenate([t.parents for t in trees])
-    parents = np.where(local >= 0, local + np.repeat(starts, sizes), -1)
-    has_parent = parents >= 0
-    up = np.where(has_parent, parents, 0)
-    depth = np.zeros(tokens.size, dtype=np.int64)
-    while True:  # one sweep per tree level: depth = parent's depth + 1 until nothing changes
-        new = np.where(has_parent, depth[up] + 1, 0)
-        if np.array_equal(new, depth):
-            break
-        depth = new
-    return _Packed(tokens, parents, sizes, starts, depth, int(depth.max()))
+    parents = np.where(local >= 0, local + np.repeat(indptr[:-1], np.diff(indptr)), -1)
+    return _Packed(np.concatenate([t.tokens for t in trees]), parents, indptr, order, depth)
 
 
-def _result(trees: Sequence[DraftTree], packed: _Packed, leaf: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+def _pack_with_logits(trees: Sequence[DraftTree], logits: torch.Tensor) -> _Packed:
+    """``_pack`` plus the checks that tie the trees to the logits (rows, finiteness, vocabulary)."""
+    packed = _pack(trees)
+    _check_logits(logits, packed.tokens.shape[0])
+    vocab = logits.shape[1]
+    outside = np.flatnonzero(packed.tokens >= vocab)
+    if outside.size:
+        i = int(outside[0])
+        b = int(np.searchsorted(packed.indptr, i, side="right") - 1)
+        raise ValueError(f"trees[{b}].tokens[{i - int(packed.indptr[b])}] = {int(packed.tokens[i])} is outside "
+                         f"the logits' vocabulary of {vocab}")
+    return packed
+
+
+def _result(packed: _Packed, leaf: np.ndarray, bonus: np.ndarray) -> VerifyResult:
     """Paths and emitted tokens from the global leaf index and bonus token of each tree."""
-    leaf_host, bonus_host = leaf.cpu().numpy(), bonus.cpu().numpy().tolist()
-    # Climb from every leaf at once: column j holds the ancestor j levels up (-1 above the root).
-    climb = [leaf_host]
-    for _ in range(packed.max_depth):
-        prev = climb[-1]
-        climb.append(np.where(prev >= 0, packed.parents[np.maximum(prev, 0)], -1))
-    ancestors = np.stack(climb, axis=1)[:, ::-1]  # root first, -1 padding on the left
-    local = (ancestors - packed.starts[:, None]).tolist()
-    toks = packed.tokens[np.maximum(ancestors, 0)].tolist()
-    root_column = (packed.max_depth - packed.depth[leaf_host]).tolist()
-    paths = [row[c:] for row, c in zip(local, root_column)]
-    tokens = [row[c + 1:] + [t] for row, c, t in zip(toks, root_column, bonus_host)]
-    return VerifyResult(paths, tokens)
-
-
-def _check_logits(logits: torch.Tensor, total: int) -> None:
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() != 2:
-        raise TypeError("logits must be a float tensor [total_nodes, vocab]")
-    if logits.shape[0] != total:
-        raise ValueError(f"logits has {logits.shape[0]} rows, expected one per tree node ({total})")
+    paths = ancestor_paths(packed.order, packed.indptr, leaf - packed.starts)
+    tokens = [packed.tokens[start + path[1:]].tolist() + [t] for path, start, t in
+              zip(paths, packed.starts.tolist(), bonus.tolist())]
+    return VerifyResult([p.tolist() for p in paths], tokens)
 
 
 def verify_greedy(trees: Sequence[DraftTree], logits: torch.Tensor) -> VerifyResult:
@@ -213,25 +275,16 @@ def verify_greedy(trees: Sequence[DraftTree], logits: torch.Tensor) -> VerifyRes
     target's argmax at its parent; among equally deep such nodes the lowest index wins (siblings
     with distinct tokens never tie). The bonus token is the argmax at that node.
     """
-    packed = _pack(trees)
+    packed = _pack_with_logits(trees, logits)
     total = int(packed.tokens.shape[0])
-    _check_logits(logits, total)
-    device = logits.device
-    pred = logits.argmax(dim=-1)
-    parents = torch.from_numpy(packed.parents).to(device)
-    is_root = parents < 0
-    up = parents.clamp(min=0)
-    match = is_root | (torch.from_numpy(packed.tokens).to(device) == pred[up])
-    ok = match
-    for _ in range(packed.max_depth):  # a node is accepted iff it matches and its parent is accepted
-        ok = match & (is_root | ok[up])
+    pred = logits.argmax(dim=-1).cpu().numpy()
+    is_root = packed.parents < 0
+    match = is_root | (packed.tokens == pred[np.maximum(packed.parents, 0)])
+    accepted = path_sums(packed.order, packed.indptr, ~match) == 0  # no mismatch from the root down
     # Deepest accepted node per tree, lowest index on ties: maximise depth * N + (N - 1 - index) >= 0.
-    index = torch.arange(total, device=device)
-    key = torch.where(ok, torch.from_numpy(packed.depth).to(device) * total + (total - 1 - index), -1)
-    seg = torch.from_numpy(np.repeat(np.arange(len(trees)), packed.sizes)).to(device)
-    best = torch.full((len(trees),), -1, dtype=key.dtype, device=device).scatter_reduce(0, seg, key, "amax")
-    leaf = total - 1 - best % total
-    return _result(trees, packed, leaf, pred[leaf])
+    key = np.where(accepted, packed.depth * total + (total - 1 - np.arange(total)), -1)
+    leaf = total - 1 - np.maximum.reduceat(key, packed.starts) % total
+    return _result(packed, leaf, pred[leaf])
 
 
 def _children_table(packed: _Packed) -> np.ndarray:
@@ -267,17 +320,19 @@ def verify_sampling(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sa
 
     All random draws come from ``generator``: a fixed seed reproduces the output.
     """
+    _check_params(params)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if params.greedy:
         return verify_greedy(trees, logits)
+    packed = _pack_with_logits(trees, logits)
     device = logits.device
-    packed = _pack(trees)
     total = int(packed.tokens.shape[0])
-    _check_logits(logits, total)
     vocab = logits.shape[1]
     for b, t in enumerate(trees):
         if t.draft_probs is not None and t.draft_probs.shape[1] != vocab:
             raise ValueError(f"trees[{b}].draft_probs has vocab {t.draft_probs.shape[1]}, logits have {vocab}")
-    probs = target_probs(logits, params)
+    probs = _target_probs(logits, params)
     point_mass = all(t.draft_probs is None for t in trees)
     if not point_mass:  # rows of one-hots where a tree was drafted deterministically
         draft_q = torch.nn.functional.one_hot(torch.from_numpy(packed.tokens).to(device), vocab).float()
@@ -327,12 +382,14 @@ def verify_sampling(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sa
             residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
             p = torch.where(reject[:, None], residual, p)
             rank = torch.where(reject, rank + 1, rank)
-    return _result(trees, packed, cur, bonus)
+    return _result(packed, cur.cpu().numpy(), bonus.cpu().numpy())
 
 
 def verify(trees: Sequence[DraftTree], logits: torch.Tensor, params: SamplingParams | None = None,
            generator: torch.Generator | None = None) -> VerifyResult:
     """``verify_greedy`` when ``params`` is None or has temperature 0, else ``verify_sampling``."""
+    if params is not None:
+        _check_params(params)
     if params is None or params.greedy:
         return verify_greedy(trees, logits)
     return verify_sampling(trees, logits, params, generator)
