@@ -179,8 +179,9 @@ def test_sampling_is_reproducible_and_follows_the_generator(llama):
     _, model = llama
     prompts = make_prompts(seed=6, count=2)
     params = SamplingParams(temperature=0.9, top_p=0.95)
+    # Adaptive trees follow measured step times, which differ between runs: fixed trees here.
     runs = [generate(model, prompts, max_new_tokens=20, drafter=NGramDrafter(8), sampling=params,
-                     generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+                     generator=torch.Generator().manual_seed(s), adaptive=False) for s in (1, 1, 2)]
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].tokens != runs[2].tokens
     assert all(len(t) == 20 for t in runs[0].tokens)

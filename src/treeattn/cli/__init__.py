@@ -1,4 +1,5 @@
-"""The ``treeattn`` command: ``check`` (self-test), ``bench`` (CPU benchmark), ``demo`` (speculative decoding)."""
+"""The ``treeattn`` command: ``check`` (self-test), ``bench`` (CPU benchmark), ``demo`` (speculative decoding),
+``train-heads`` (draft heads for the demo's model)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def _demo(args: argparse.Namespace) -> int:
     return main_demo(args)
 
 
+def _train_heads(args: argparse.Namespace) -> int:
+    from .train_heads import main_train_heads
+
+    return main_train_heads(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treeattn", description="Exact, fast tree attention for speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
+
+    heads = sub.add_parser("train-heads", help="train draft heads for the demo's model on its own answers (CPU)")
+    from .train_heads import add_train_heads_arguments
+
+    add_train_heads_arguments(heads)
+    heads.set_defaults(run=_train_heads)
     return parser
 
 

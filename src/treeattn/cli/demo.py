@@ -1,9 +1,14 @@
-"""``treeattn demo``: a real model (SmolLM2-135M-Instruct, offline) decoding greedily and with tree
-speculative decoding (prompt-lookup n-gram trees verified through treeattn's tree attention), side
-by side: same model code, same KV cache, same prompts; the outputs must be token-identical.
+"""``treeattn demo``: a real model (SmolLM2-135M-Instruct, offline) decoding plainly and with tree
+speculative decoding, side by side: same model code, same KV cache, same prompts. Greedy outputs
+must be token-identical; with ``--temperature`` both sample from the model's distribution (lossless
+speculative sampling), so they agree in distribution, not token for token.
 
-The built-in prompts ask for text that repeats the prompt (a code edit, a summary, questions about a
-passage), the workload where model-free prompt lookup drafts well.
+Drafters (``--drafter``): ``ngram`` (prompt lookup), ``suffix`` (a suffix trie over the prompts and
+every earlier answer), ``heads`` (trained draft heads, ``treeattn train-heads``), ``auto`` (suffix
+and heads together when heads are available). Each step verifies only the part of the draft tree
+expected to pay for its verification time (``AdaptiveDrafter``), or nothing: ``--full-trees`` turns
+that off. The built-in prompts ask for text that repeats the prompt (a code edit, a summary,
+questions about a passage), the workload where model-free drafters shine.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,8 +27,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..models.loader import ModelNotAvailable, load_smollm2
-from ..speculative import NGramDrafter
+from ..speculative import NGramDrafter, SamplingParams
+from ..speculative.adaptive import AdaptiveDrafter, CostModel, probe_cost
 from ..speculative.generate import GenerationResult, generate
+from ..speculative.heads import HeadDrafter, find_heads, load_heads
+from ..speculative.suffix import SuffixDrafter
 
 _CODE = '''def parse_config(path):
     settings = {}
@@ -51,14 +60,24 @@ BUILTIN_PROMPTS = {
 }
 
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+DRAFTERS = ("ngram", "suffix", "heads", "auto")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt of your own (repeat the flag for several); default: three built-in prompts")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    parser.add_argument("--tree-budget", type=int, default=16,
-                        help="draft tree nodes per verification step, root included (default 16)")
+    parser.add_argument("--tree-budget", type=int, default=24,
+                        help="most draft tree nodes per verification step, root included (default 24)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default="auto",
+                        help="ngram, suffix, heads or auto: suffix + heads when heads are available (default auto)")
+    parser.add_argument("--heads", type=Path, default=None,
+                        help="draft heads file (default: from `treeattn train-heads`, else the shipped ones)")
+    parser.add_argument("--full-trees", action="store_true",
+                        help="verify the drafter's whole tree every step instead of the part expected to pay")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature; 0 = greedy (default). Sampling is lossless: same distribution")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="model and KV cache dtype (default float32)")
@@ -83,7 +102,7 @@ class _Prompt:
         return self.greedy_tokens == self.spec_tokens
 
 
-def _pick_threads(requested: int | None) -> tuple[int, str]:
+def pick_threads(requested: int | None) -> tuple[int, str]:
     """Threads to use and why. On a machine already loaded to its core count, several OpenMP
     threads stall at every barrier waiting for a descheduled peer (measured here: 2 threads ran
     SmolLM2 8x slower than 1 under a load of 5 on 2 cores), so a busy machine gets one thread."""
@@ -99,7 +118,7 @@ def _pick_threads(requested: int | None) -> tuple[int, str]:
     return threads, ""
 
 
-def _chat_ids(tokenizer, text: str) -> list[int]:
+def chat_ids(tokenizer, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -138,13 +157,47 @@ def _summary(prompts: list[_Prompt], greedy: list[GenerationResult], spec: list[
             "speedup": s["tokens_per_s"] / g["tokens_per_s"], "greedy": g, "spec": s}
 
 
+def build_drafter(kind: str, model, budget: int, *, heads: Path | None = None, full_trees: bool = False):
+    """``(drafter, description)`` for ``--drafter kind``: adaptive unless ``full_trees``.
+
+    ``heads``: the draft heads file (default ``find_heads()``); ``ValueError`` when ``kind`` is
+    ``heads`` and there is none. ``auto`` is suffix + heads, or suffix alone without heads.
+    """
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
+    heads_path = heads or find_heads()
+    if heads is not None and not heads.is_file():
+        raise ValueError(f"--heads: no such file {heads}")
+    if kind == "heads" and heads_path is None:
+        raise ValueError("--drafter heads needs trained draft heads: run `treeattn train-heads` first "
+                         "(or pass --heads FILE)")
+    sources = []
+    if kind == "ngram":
+        sources.append(NGramDrafter(budget))
+    if kind in ("suffix", "auto"):
+        sources.append(SuffixDrafter(budget))
+    if kind in ("heads", "auto") and heads_path is not None:
+        trained, _ = load_heads(heads_path, dtype=model.dtype)
+        sources.append(HeadDrafter(trained, model.logits, budget=budget))
+    names = " + ".join(type(s).__name__ for s in sources)
+    if full_trees:
+        if len(sources) > 1:
+            raise ValueError("--full-trees verifies one drafter's whole trees: pick ngram, suffix or heads")
+        return sources[0], f"{names}, full {budget}-node trees"
+    return (AdaptiveDrafter(*sources, cost=CostModel(), max_nodes=budget),
+            f"{names}, adaptive trees of up to {budget} nodes")
+
+
 def main_demo(args: argparse.Namespace) -> int:
     out = Console(quiet=args.json, highlight=False)
     err = Console(stderr=True)
     if args.max_tokens < 1 or args.tree_budget < 1:
         err.print("[red]--max-tokens and --tree-budget must be >= 1[/red]")
         return 2
-    threads, why = _pick_threads(args.threads)
+    if not (args.temperature >= 0 and np.isfinite(args.temperature)):
+        err.print(f"[red]--temperature must be a finite number >= 0, got {args.temperature}[/red]")
+        return 2
+    threads, why = pick_threads(args.threads)
     torch.set_num_threads(threads)
     dtype = getattr(torch, args.dtype)
     try:
@@ -156,28 +209,43 @@ def main_demo(args: argparse.Namespace) -> int:
         err.print(f"[red]treeattn demo needs a model:[/red] {exc}")
         return 2
     prompts = {f"prompt {i + 1}": p for i, p in enumerate(args.prompt)} if args.prompt else BUILTIN_PROMPTS
-    ids = {name: _chat_ids(tokenizer, text) for name, text in prompts.items()}
-    drafter = NGramDrafter(args.tree_budget)
+    ids = {name: chat_ids(tokenizer, text) for name, text in prompts.items()}
+    try:
+        drafter, described = build_drafter(args.drafter, model, args.tree_budget, heads=args.heads,
+                                           full_trees=args.full_trees)
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/red]")
+        return 2
     slack = max(256, args.tree_budget)  # KV-cache room for one uncommitted tree per sequence
     stop = [tokenizer.eos_token_id]
+    sampling = SamplingParams(args.temperature) if args.temperature > 0 else None
+    mode = f"sampling at temperature {args.temperature:g}, seed {args.seed}" if sampling else "greedy"
     out.print(f"[bold]{MODEL_NAME}[/bold] on {args.device} ({args.dtype}, {threads} threads{why}), "
-              f"loaded in {load_s:.0f} s; n-gram tree drafter, {args.tree_budget} nodes per tree")
+              f"loaded in {load_s:.0f} s; {mode}; {described}")
 
-    # Warm-up outside the timings: first calls initialise the BLAS kernels and the cache plans.
+    # Warm-up outside the timings: first calls initialise the BLAS kernels and the cache plans; the
+    # adaptive drafter's cost model starts from timed forwards of a few tree sizes on this machine.
     warm = next(iter(ids.values()))[:32]
     generate(model, [warm], max_new_tokens=4)
-    generate(model, [warm], max_new_tokens=4, drafter=drafter, draft_slack=slack)
+    if isinstance(drafter, AdaptiveDrafter):
+        probe_cost(model, drafter.cost)
 
+    def run(prompt_ids: list[list[int]], with_drafter: bool, on_tokens=None) -> GenerationResult:
+        generator = torch.Generator().manual_seed(args.seed) if sampling else None
+        return generate(model, prompt_ids, max_new_tokens=args.max_tokens, stop_tokens=stop, sampling=sampling,
+                        generator=generator, drafter=drafter if with_drafter else None, draft_slack=slack,
+                        adaptive=not args.full_trees, on_tokens=on_tokens)
+
+    plain = "sampling" if sampling else "greedy"
     done: list[_Prompt] = []
     greedy_results: list[GenerationResult] = []
     spec_results: list[GenerationResult] = []
     if args.batch:
         names = list(ids)
-        with out.status(f"greedy decoding, {len(names)} prompts in one batch..."):
-            greedy = generate(model, [ids[n] for n in names], max_new_tokens=args.max_tokens, stop_tokens=stop)
+        with out.status(f"{plain} decoding, {len(names)} prompts in one batch..."):
+            greedy = run([ids[n] for n in names], False)
         with out.status(f"speculative decoding, {len(names)} prompts in one batch..."):
-            spec = generate(model, [ids[n] for n in names], max_new_tokens=args.max_tokens, stop_tokens=stop,
-                            drafter=drafter, draft_slack=slack)
+            spec = run([ids[n] for n in names], True)
         greedy_results, spec_results = [greedy], [spec]
         for b, name in enumerate(names):
             out.rule(name)
@@ -186,38 +254,42 @@ def main_demo(args: argparse.Namespace) -> int:
     else:
         for name, prompt_ids in ids.items():
             out.rule(f"{name} ({len(prompt_ids)} prompt tokens)")
-            out.print("[dim]greedy:[/dim]")
-            greedy = generate(model, [prompt_ids], max_new_tokens=args.max_tokens, stop_tokens=stop,
-                              on_tokens=None if args.json else _Streamer(out, tokenizer, "dim"))
+            out.print(f"[dim]{plain}:[/dim]")
+            greedy = run([prompt_ids], False, None if args.json else _Streamer(out, tokenizer, "dim"))
             out.print("\n[bold]speculative:[/bold]")
-            spec = generate(model, [prompt_ids], max_new_tokens=args.max_tokens, stop_tokens=stop, drafter=drafter,
-                            draft_slack=slack, on_tokens=None if args.json else _Streamer(out, tokenizer, ""))
+            spec = run([prompt_ids], True, None if args.json else _Streamer(out, tokenizer, ""))
             out.print()
             greedy_results.append(greedy)
             spec_results.append(spec)
             done.append(_Prompt(name, len(prompt_ids), greedy.tokens[0], spec.tokens[0], greedy, spec))
 
     summary = _summary(done, greedy_results, spec_results)
+    if sampling:  # both sample the model's distribution; equal tokens are not expected
+        summary["identical"] = None
+    ok = sampling is not None or summary["identical"]
     if args.json:
-        record = {"model": MODEL_NAME, "device": args.device, "dtype": args.dtype,
+        record = {"model": MODEL_NAME, "device": args.device, "dtype": args.dtype, "drafter": described,
+                  "temperature": args.temperature, "seed": args.seed,
                   "threads": torch.get_num_threads(), "tree_budget": args.tree_budget,
                   "max_tokens": args.max_tokens, "batch": args.batch, "load_s": load_s, **summary,
-                  "prompts": [{"name": p.name, "prompt_tokens": p.prompt_tokens, "identical": p.identical,
+                  "prompts": [{"name": p.name, "prompt_tokens": p.prompt_tokens,
+                               "identical": None if sampling else p.identical,
                                "tokens": len(p.spec_tokens)}
                               | ({} if p.spec is None else {"greedy_tokens_per_s": p.greedy.tokens_per_s,
                                                             "spec_tokens_per_s": p.spec.tokens_per_s,
                                                             "mean_accepted": p.spec.mean_accepted})
                               for p in done]}
         print(json.dumps(record, indent=2))
-        return 0 if summary["identical"] else 1
+        return 0 if ok else 1
 
-    table = Table(title="greedy vs tree speculative decoding", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    for col in ("prompt", "tokens", "passes", "acc/step", "greedy tok/s", "spec tok/s", "speedup", "same"):
+    table = Table(title=f"{plain} vs tree speculative {plain}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("prompt", "tokens", "passes", "acc/step", f"{plain} tok/s", "spec tok/s", "speedup", "same"):
         table.add_column(col, justify="left" if col == "prompt" else "right", no_wrap=True)
 
     def row(name, tokens, g, s, acc, gtps, stps, same):
         table.add_row(name, str(tokens), f"{g}/{s}", f"{acc:.2f}", f"{gtps:.1f}", f"{stps:.1f}",
-                      f"{stps / gtps:.2f}x", "[green]yes[/green]" if same else "[red]NO[/red]")
+                      f"{stps / gtps:.2f}x",
+                      "n/a" if sampling else "[green]yes[/green]" if same else "[red]NO[/red]")
 
     for p in done:
         if p.spec is not None:
@@ -227,6 +299,8 @@ def main_demo(args: argparse.Namespace) -> int:
     row("all", s["tokens"], g["forward_passes"], s["forward_passes"], s["mean_accepted"], g["tokens_per_s"],
         s["tokens_per_s"], summary["identical"])
     out.print(table)
-    out.print(f"[dim]passes: model forwards (greedy/speculative); acc/step: tokens emitted per verification step; "
-              f"mean tree: {summary['spec']['mean_tree_size']:.1f} nodes[/dim]")
-    return 0 if summary["identical"] else 1
+    out.print(f"[dim]passes: model forwards (plain/speculative); acc/step: tokens emitted per verification step; "
+              f"mean tree: {summary['spec']['mean_tree_size']:.1f} nodes"
+              + ("; same: n/a, sampled outputs agree in distribution, not token for token" if sampling else "")
+              + "[/dim]")
+    return 0 if ok else 1

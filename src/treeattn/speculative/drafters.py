@@ -22,9 +22,11 @@ import torch
 from torch import nn
 
 from ..tree import TokenTree
+from .adaptive import Candidates
 from .verify import DraftTree
 
-__all__ = ["CandidateSource", "Drafter", "MedusaHeads", "NGramDrafter", "StaticTreeDrafter", "as_context"]
+__all__ = ["CandidateSource", "Drafter", "MedusaHeads", "NGramDrafter", "StaticTreeDrafter", "as_context",
+           "lookup_bucket"]
 
 
 @runtime_checkable
@@ -99,20 +101,28 @@ class NGramDrafter:
         return ends[keep][order], match_len[keep][order]
 
     def draft(self, context) -> DraftTree:
-        c = as_context(context)
+        return self._draft(as_context(context)).tree
+
+    def candidates(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[Candidates]:
+        """``ScoringDrafter``: the ``draft`` trees, scored for ``AdaptiveDrafter``."""
+        return [self._draft(as_context(c, f"contexts[{b}]")) for b, c in enumerate(contexts)]
+
+    def _draft(self, c: np.ndarray) -> Candidates:
         root_token = int(c[-1])
         ends, lengths = self.occurrences(c)
         if ends.size == 0:
-            return DraftTree.root_only(root_token)
-        # Trie over continuations: node -> {token: child}, plus accumulated weight and depth.
+            return Candidates.root_only(root_token)
+        # Trie over continuations: node -> {token: child}, plus accumulated weight, occurrences
+        # through the node, their longest match, and depth.
         kids: list[dict[int, int]] = [{}]
-        weight, depth, token, parent = [0.0], [0], [root_token], [-1]
+        weight, count, longest, depth, token, parent = [0.0], [0], [0], [0], [root_token], [-1]
         tokens = c.tolist()
         base = float(self.max_matches + 1)
         for e, m in zip(ends.tolist(), lengths.tolist()):
             w = base ** m
             node = 0
             weight[0] += w
+            count[0] += 1
             for t in tokens[e + 1: e + 1 + self.max_depth]:
                 nxt = kids[node].get(t)
                 if nxt is None:
@@ -120,25 +130,44 @@ class NGramDrafter:
                     kids[node][t] = nxt
                     kids.append({})
                     weight.append(0.0)
+                    count.append(0)
+                    longest.append(0)
                     depth.append(depth[node] + 1)
                     token.append(t)
                     parent.append(node)
                 weight[nxt] += w
+                count[nxt] += 1
+                longest[nxt] = max(longest[nxt], m)
                 node = nxt
         n = len(weight)
         if n == 1:
-            return DraftTree.root_only(root_token)
+            return Candidates.root_only(root_token)
         d = np.asarray(depth[1:], dtype=np.float64)
         score = np.asarray(weight[1:]) * self.depth_decay ** d
         # Best budget-1 nodes: a parent never scores below its child and ties go to the shallower
         # one, so every kept node's parent is kept and ranked earlier: ranks are a valid numbering.
-        ranked = np.lexsort((np.arange(1, n), d, -score))[: self.budget - 1] + 1
+        ranked = (np.lexsort((np.arange(1, n), d, -score))[: self.budget - 1] + 1).tolist()
         new_index = {0: 0}
-        for i, trie_node in enumerate(ranked.tolist(), start=1):
+        for i, trie_node in enumerate(ranked, start=1):
             new_index[trie_node] = i
-        parents = np.array([-1] + [new_index[parent[t]] for t in ranked.tolist()], dtype=np.int64)
-        toks = np.array([root_token] + [token[t] for t in ranked.tolist()], dtype=np.int64)
-        return DraftTree(toks, parents)
+        parents = np.array([-1] + [new_index[parent[t]] for t in ranked], dtype=np.int64)
+        toks = np.array([root_token] + [token[t] for t in ranked], dtype=np.int64)
+        keys, prior = np.zeros(len(toks), np.int64), np.ones(len(toks))
+        for i, t in enumerate(ranked, start=1):
+            keys[i], prior[i] = lookup_bucket(longest[t], weight[t] / weight[parent[t]], count[parent[t]])
+        return Candidates(DraftTree(toks, parents), keys, prior)
+
+
+def lookup_bucket(match_len: int, share: float, support: int) -> tuple[int, float]:
+    """Calibration bucket and prior of an edge drafted by prompt lookup, from how long the matched
+    suffix was, the edge's share among its siblings and how many occurrences back its parent. The
+    prior (a longer match is more reliable, a one-off continuation is a guess) only matters until
+    the bucket has observations (``adaptive.Calibrator``)."""
+    m = min(int(match_len), 6)
+    share_bin = min(int(share * 4), 3)
+    support_bin = 0 if support <= 1 else 1 if support <= 3 else 2
+    prior = share * m / (m + 2.0) * (0.6 if support <= 1 else 0.8 if support <= 3 else 1.0)
+    return m * 100 + share_bin * 10 + support_bin, prior
 
 
 @runtime_checkable

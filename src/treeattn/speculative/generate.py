@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..models.llama import LlamaTreeModel
+from .adaptive import AdaptiveDrafter, LearningDrafter, ScoringDrafter
 from .drafters import Drafter
 from .verify import DraftTree, SamplingParams, verify
 
@@ -76,7 +77,7 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
              drafter: Drafter | None = None, sampling: SamplingParams | None = None,
              generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
              on_tokens: TokenCallback | None = None, page_size: int = 16, backend: str | None = None,
-             draft_slack: int = 256) -> GenerationResult:
+             draft_slack: int = 256, adaptive: bool = True) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt, all prompts batched together.
 
     ``drafter=None`` is plain decoding (one token per sequence per forward); with a drafter each
@@ -85,12 +86,25 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
     stops after a token in ``stop_tokens`` (which is kept). ``on_tokens(b, new_tokens)`` is called
     as tokens of prompt ``b`` are produced. The KV cache is allocated here (``page_size``,
     ``backend``) with room for ``draft_slack`` uncommitted tree nodes per sequence.
+
+    With ``adaptive`` (the default) a drafter that scores its candidates (``ScoringDrafter``: the
+    n-gram, suffix and head drafters) is wrapped in an ``AdaptiveDrafter``, which verifies per step
+    only the nodes expected to pay for their verification time (a plain decode when none does),
+    learning acceptance and step cost during this call; pass an ``AdaptiveDrafter`` yourself to keep
+    what it learns across calls, or ``adaptive=False`` to verify the drafter's full trees. A drafter
+    that is a ``LearningDrafter`` is told each step's emitted tokens and time. Greedy output never
+    depends on the trees; sampled output follows the target distribution whatever the trees, but a
+    seed reproduces it only when the trees do not depend on measured times (``adaptive=False``, or
+    an ``AdaptiveDrafter`` with ``CostModel.fixed``).
     """
     prompts = _check_prompts(prompts)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if drafter is not None and not isinstance(drafter, Drafter):
         raise TypeError("drafter must implement propose(contexts, hidden=None) -> list[DraftTree]")
+    if adaptive and isinstance(drafter, ScoringDrafter) and not isinstance(drafter, LearningDrafter):
+        drafter = AdaptiveDrafter(drafter)
+    learner = drafter if isinstance(drafter, LearningDrafter) else None
     stop = {int(t) for t in stop_tokens}
     batch = len(prompts)
     per_seq = [-(-(len(p) + max_new_tokens + draft_slack) // page_size) for p in prompts]
@@ -133,6 +147,7 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
     start = time.perf_counter()
     while active:
         ids, active = active, []
+        step_start = time.perf_counter()
         if drafter is None:
             trees = [DraftTree.root_only(contexts[b][-1]) for b in ids]
         else:
@@ -151,7 +166,10 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
                                      f"expected the sequence's last token {contexts[b][-1]}")
         sizes = [t.size for t in trees]
         tokens = torch.from_numpy(np.concatenate([t.tokens for t in trees]))
-        parents = None if drafter is None else [t.parents for t in trees]
+        # A step that drafts nothing (no drafter, or an adaptive one that found nothing worth
+        # verifying) appends its roots causally: plain decoding, nothing to commit.
+        drafted = any(t.size > 1 for t in trees)
+        parents = [t.parents for t in trees] if drafted else None
         out = model.forward(cache, ids, tokens, sizes, parents)
         result.forward_passes += 1
         res = verify(trees, out.logits, sampling, generator)
@@ -160,6 +178,8 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
         node_starts = np.cumsum([0] + sizes[:-1])
         leaf_rows = torch.tensor([s + leaf for s, leaf in zip(node_starts.tolist(), res.leaf_indices)])
         hidden[ids] = out.hidden[leaf_rows]
+        if learner is not None:
+            learner.observe(res.tokens, time.perf_counter() - step_start)
         for b, new, size in zip(ids, res.tokens, sizes):
             result.emitted_per_step.append(len(new))
             result.drafted_per_step.append(size)

@@ -1,0 +1,159 @@
+"""``treeattn train-heads``: self-distil Medusa-style draft heads for SmolLM2-135M on the CPU.
+
+Three stages, each checkpointed so that an interrupted run resumes where it stopped (rerun the same
+command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``),
+its hidden states along those answers become the training rows, then the heads are trained (one
+checkpoint per epoch). The last tenth of the prompts is held out to report each head's accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from ..models.loader import ModelNotAvailable, load_smollm2
+from ..speculative.heads import (
+    DEFAULT_HEADS,
+    PROMPTS_FILE,
+    DraftHeads,
+    TrainState,
+    head_accuracy,
+    head_examples,
+    save_heads,
+    self_distill,
+    train_heads,
+)
+from .demo import MODEL_NAME, chat_ids, pick_threads
+
+
+def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=DEFAULT_HEADS, help=f"heads file to write (default {DEFAULT_HEADS})")
+    parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
+                        help="prompts, one per line (default: the 128 shipped with treeattn)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="answer tokens per prompt (default 96)")
+    parser.add_argument("--num-heads", type=int, default=3, help="draft heads (default 3)")
+    parser.add_argument("--epochs", type=int, default=4, help="training epochs (default 4)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    parser.add_argument("--batch", type=int, default=16, help="prompts generated together (default 16)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="checkpoint file (default: OUT with suffix .ckpt); removed when training ends")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the demo)")
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)
+
+
+def main_train_heads(args: argparse.Namespace) -> int:
+    console = Console(highlight=False)
+    err = Console(stderr=True)
+    for name in ("max_tokens", "num_heads", "epochs", "batch"):
+        if getattr(args, name) < 1:
+            err.print(f"[red]--{name.replace('_', '-')} must be >= 1[/red]")
+            return 2
+    if not args.prompts.is_file():
+        err.print(f"[red]--prompts: no such file {args.prompts}[/red]")
+        return 2
+    texts = [line.strip() for line in args.prompts.read_text().splitlines() if line.strip()]
+    if len(texts) < 2:
+        err.print("[red]--prompts needs at least two prompts (one tenth is held out for evaluation)[/red]")
+        return 2
+    threads, why = pick_threads(args.threads)
+    torch.set_num_threads(threads)
+    try:
+        with console.status(f"loading {MODEL_NAME}..."):
+            model, tokenizer = load_smollm2()
+    except ModelNotAvailable as exc:
+        err.print(f"[red]treeattn train-heads needs the model:[/red] {exc}")
+        return 2
+    started = time.perf_counter()
+    prompts = [chat_ids(tokenizer, t) for t in texts]
+    # The answers depend on the prompts and their length only: they survive a change of training settings.
+    data_config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
+                   "max_tokens": args.max_tokens}
+    train_config = {"num_heads": args.num_heads, "epochs": args.epochs, "lr": args.lr}
+    ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
+    ckpt = {"data_config": data_config, "train_config": train_config, "outputs": [], "heads": None, "train": None}
+    if ckpt_path.is_file():
+        saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        if saved.get("data_config") == data_config:
+            ckpt["outputs"] = saved["outputs"]
+            if saved.get("train_config") == train_config:
+                ckpt["heads"], ckpt["train"] = saved["heads"], saved["train"]
+            console.print(f"resuming from {ckpt_path}: {len(ckpt['outputs'])}/{len(prompts)} answers, "
+                          f"{(ckpt['train'] or {}).get('epoch', 0)}/{args.epochs} epochs")
+        else:
+            console.print(f"[yellow]{ckpt_path} holds answers to other prompts: starting over[/yellow]")
+    ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save(ckpt, tmp)
+        tmp.replace(ckpt_path)  # atomic: an interrupt never leaves half a checkpoint
+
+    console.print(f"[bold]{MODEL_NAME}[/bold], {threads} threads{why}: {len(prompts)} prompts, "
+                  f"{args.max_tokens} tokens each, {args.num_heads} heads")
+    with _progress(console) as bar:
+        task = bar.add_task("model answers", total=len(prompts), completed=len(ckpt["outputs"]), info="")
+
+        def on_batch(outputs):
+            ckpt["outputs"] = outputs
+            save()
+
+        outputs = self_distill(model, prompts, max_new_tokens=args.max_tokens, batch_size=args.batch,
+                               stop_tokens=[tokenizer.eos_token_id], done=ckpt["outputs"], on_batch=on_batch,
+                               progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+        held_out = max(1, len(prompts) // 10)
+        task = bar.add_task("hidden states", total=len(prompts), info="")
+        x, y = head_examples(model, prompts[:-held_out], outputs[:-held_out], args.num_heads,
+                             progress=lambda d, t, info: bar.update(task, completed=d))
+        x_eval, y_eval = head_examples(model, prompts[-held_out:], outputs[-held_out:], args.num_heads)
+        bar.update(task, completed=len(prompts))
+        heads = DraftHeads(model.config.hidden_size, args.num_heads)
+        state = TrainState()
+        if ckpt["heads"] is not None:
+            heads.load_state_dict(ckpt["heads"])
+            state = TrainState(**ckpt["train"])
+        task = bar.add_task("training", total=None, info="")
+
+        def on_epoch(s: TrainState) -> None:
+            ckpt["heads"] = heads.state_dict()
+            ckpt["train"] = {"epoch": s.epoch, "losses": s.losses, "optimizer": s.optimizer}
+            save()
+
+        train_heads(heads, model.logits, x, y, epochs=args.epochs, lr=args.lr, state=state, on_epoch=on_epoch,
+                    progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
+
+    top1 = head_accuracy(heads, model.logits, x_eval, y_eval, top_k=1)
+    top4 = head_accuracy(heads, model.logits, x_eval, y_eval, top_k=4)
+    minutes = (time.perf_counter() - started) / 60
+    save_heads(heads, args.out, model=MODEL_NAME, prompts=len(prompts), held_out=held_out, rows=int(x.shape[0]),
+               max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr, top1=top1, top4=top4,
+               minutes=round(minutes, 1), threads=threads)
+    ckpt_path.unlink(missing_ok=True)
+    table = Table(title=f"held-out accuracy ({held_out} prompts, {int(x_eval.shape[0])} positions)",
+                  box=box.SIMPLE_HEAD)
+    for col in ("head", "guesses", "top-1", "top-4"):
+        table.add_column(col, justify="right")
+    for j, (a1, a4) in enumerate(zip(top1, top4)):
+        table.add_row(str(j), f"token t+{j + 2}", f"{a1:.1%}", f"{a4:.1%}")
+    console.print(table)
+    console.print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) in {minutes:.1f} min; "
+                  f"trained on {int(x.shape[0])} positions of {len(prompts) - held_out} answers")
+    return 0

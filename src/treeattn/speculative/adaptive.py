@@ -1,0 +1,341 @@
+"""Adaptive draft trees: per step, verify the tree that maximises expected tokens per second.
+
+Three parts, one job each:
+
+- ``Candidates``: a drafter's *scored* candidate tree. Every non-root node carries the drafter's own
+  guess of the probability that the target emits its token given that its parent was accepted
+  (``prior``) and a calibration bucket (``key``) that says which guesses behave alike.
+- ``Calibrator``: turns those guesses into measured probabilities, per bucket, from what the target
+  actually emitted. Labels are counterfactual, so every candidate node gets one whether it was
+  verified or not: node ``x`` at depth ``d`` whose parent path equals the first ``d - 1`` emitted
+  tokens is "accepted" iff the ``d``-th emitted token is ``x``. The token emitted at a position is
+  distributed exactly as the target's (greedy: its argmax; sampling: lossless verification keeps
+  the target distribution), so the label is an unbiased draw of the acceptance probability, even
+  for nodes that were cut and for steps that drafted nothing (which would otherwise never learn).
+- ``CostModel``: the seconds one decoding step takes for ``n`` tree nodes in total (roots included,
+  the whole batch), ``a + b * n``, fitted by exponentially weighted least squares to the steps
+  measured on the running machine, so it follows the current batch and context as they change.
+
+``AdaptiveDrafter`` joins them: a node's probability of being accepted is the product of the
+calibrated edge probabilities along its path, the expected tokens of a step are ``B + sum(p)``
+(``B`` bonus tokens), and the nodes of all requests, best first, are cut at the count that maximises
+``(B + sum(p)) / (a + b * (B + k))``. When no node pays for its verification the step is a plain
+decode: every tree is a lone root.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .verify import DraftTree
+
+__all__ = ["AdaptiveDrafter", "Calibrator", "Candidates", "CostModel", "LearningDrafter", "ScoringDrafter",
+           "grow", "probe_cost"]
+
+
+@dataclass(frozen=True, eq=False)
+class Candidates:
+    """A scored candidate tree: ``tree`` (best siblings first), and per node the calibration bucket
+    ``keys[i]`` and the drafter's prior ``prior[i]`` that node ``i`` is accepted given its parent was
+    (entry 0, the root, is ignored)."""
+
+    tree: DraftTree
+    keys: np.ndarray  # int64 [n]
+    prior: np.ndarray  # float64 [n], in [0, 1]
+
+    def __post_init__(self) -> None:
+        n = self.tree.size
+        keys, prior = np.asarray(self.keys, dtype=np.int64), np.asarray(self.prior, dtype=np.float64)
+        if keys.shape != (n,) or prior.shape != (n,):
+            raise ValueError(f"keys and prior must have one entry per tree node ({n}), "
+                             f"got shapes {keys.shape} and {prior.shape}")
+        if n > 1 and not ((prior[1:] >= 0) & (prior[1:] <= 1)).all():
+            raise ValueError("prior must be probabilities in [0, 1]")
+        object.__setattr__(self, "keys", keys)
+        object.__setattr__(self, "prior", prior)
+
+    @classmethod
+    def root_only(cls, token: int) -> Candidates:
+        return cls(DraftTree.root_only(token), np.zeros(1, np.int64), np.ones(1))
+
+
+@runtime_checkable
+class ScoringDrafter(Protocol):
+    def candidates(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[Candidates]:
+        """One scored candidate tree per context; ``tree.tokens[0]`` is the context's last token."""
+        ...
+
+
+@runtime_checkable
+class LearningDrafter(Protocol):
+    """A drafter that learns from the outcome of the step it drafted for (``generate`` calls
+    ``observe`` after every ``propose``)."""
+
+    def observe(self, emitted: Sequence[Sequence[int]], seconds: float) -> None:
+        """``emitted[b]``: tokens the step emitted for the ``b``-th proposed tree; ``seconds``: the step's time."""
+        ...
+
+
+def grow(root_token: int, expand, budget: int) -> tuple[list[int], list[int], list[object]]:
+    """Best-first growth of a tree of at most ``budget`` nodes (the root included).
+
+    ``expand(ref)`` lists the children of the node described by ``ref`` (``None`` for the root) as
+    ``(score, token, ref)``, each child's score at most its parent's. Nodes are taken highest score
+    first (ties: earlier discovered), so the tree holds the ``budget - 1`` best nodes reachable and
+    every node comes after its parent; siblings come out best first.
+    Returns ``tokens``, ``parents`` and the ``ref`` of every node.
+    """
+    tokens, parents, refs = [root_token], [-1], [None]
+    heap: list[tuple[float, int, int, int, object]] = []
+    order = 0
+    for score, token, ref in expand(None):
+        heapq.heappush(heap, (-score, order, 0, token, ref))
+        order += 1
+    while heap and len(tokens) < budget:
+        _, _, parent, token, ref = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        refs.append(ref)
+        for score, child_token, child_ref in expand(ref):
+            heapq.heappush(heap, (-score, order, node, child_token, child_ref))
+            order += 1
+    return tokens, parents, refs
+
+
+class Calibrator:
+    """Measured acceptance probability per calibration bucket: a Beta posterior whose prior is the
+    drafter's own guess (``strength`` pseudo-observations), with old observations fading by
+    ``decay`` per new one in the same bucket so that it follows the text being generated."""
+
+    def __init__(self, strength: float = 2.0, decay: float = 0.98):
+        if not strength > 0:
+            raise ValueError(f"strength must be > 0, got {strength}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.strength, self.decay = float(strength), float(decay)
+        self.hits: dict[int, float] = {}
+        self.trials: dict[int, float] = {}
+
+    def probability(self, keys: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        hits = np.array([self.hits.get(k, 0.0) for k in keys.tolist()])
+        trials = np.array([self.trials.get(k, 0.0) for k in keys.tolist()])
+        return (hits + self.strength * prior) / (trials + self.strength)
+
+    def update(self, key: int, accepted: bool) -> None:
+        self.hits[key] = self.hits.get(key, 0.0) * self.decay + float(accepted)
+        self.trials[key] = self.trials.get(key, 0.0) * self.decay + 1.0
+
+    def learn(self, cands: Candidates, emitted: Sequence[int]) -> None:
+        """Label every node of ``cands`` whose parent path matches ``emitted`` and whose own depth
+        is within it (see the module docstring)."""
+        tree = cands.tree
+        on_path = np.zeros(tree.size, dtype=bool)  # node's path equals the emitted prefix
+        on_path[0] = True
+        depth = np.zeros(tree.size, dtype=np.int64)
+        for i in range(1, tree.size):
+            p = int(tree.parents[i])
+            depth[i] = depth[p] + 1
+            if on_path[p] and depth[i] <= len(emitted):
+                hit = int(tree.tokens[i]) == int(emitted[depth[i] - 1])
+                on_path[i] = hit
+                self.update(int(cands.keys[i]), hit)
+
+
+class CostModel:
+    """Step seconds for ``n`` tree nodes in total: ``a + b * n``, fitted to measured steps.
+
+    Exponentially weighted least squares (``forget`` per step: recent steps count most, so the fit
+    follows the context length and the machine's load). Until steps of several sizes have been seen
+    the slope is pinned by a weak prior ``b = ratio * a`` (``ratio``: the cost of one extra node
+    relative to a one-node step; ``strength`` its weight relative to the data's).
+    ``CostModel.fixed(a, b)`` never learns: tree choices then depend on the text alone, which makes
+    seeded sampling reproducible (measured times differ from run to run, and the tree decides which
+    random draws verification makes).
+    """
+
+    def __init__(self, ratio: float = 0.08, forget: float = 0.95, strength: float = 1.0):
+        if not ratio >= 0:
+            raise ValueError(f"ratio must be >= 0, got {ratio}")
+        if not 0 < forget <= 1:
+            raise ValueError(f"forget must be in (0, 1], got {forget}")
+        self.ratio, self.forget, self.strength = float(ratio), float(forget), float(strength)
+        self._gram = np.zeros((2, 2))
+        self._rhs = np.zeros(2)
+        self.steps = 0
+        self._fixed: tuple[float, float] | None = None
+
+    @classmethod
+    def fixed(cls, seconds_per_step: float, seconds_per_node: float) -> CostModel:
+        """A cost model that does not learn: ``seconds_per_step + seconds_per_node * n``."""
+        if not (seconds_per_step >= 0 and seconds_per_node >= 0 and seconds_per_step + seconds_per_node > 0):
+            raise ValueError(f"seconds_per_step and seconds_per_node must be >= 0 and not both 0, "
+                             f"got {seconds_per_step} and {seconds_per_node}")
+        model = cls()
+        model._fixed = (float(seconds_per_step), float(seconds_per_node))
+        return model
+
+    def add(self, nodes: int, seconds: float) -> None:
+        if nodes < 1 or not seconds > 0:
+            raise ValueError(f"a step has nodes >= 1 and seconds > 0, got {nodes} and {seconds}")
+        if self._fixed is not None:
+            return
+        x = np.array([1.0, float(nodes)])
+        self._gram = self.forget * self._gram + np.outer(x, x)
+        self._rhs = self.forget * self._rhs + x * seconds
+        self.steps += 1
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)``: seconds per step and per node; ``(nan, nan)`` before the first step."""
+        if self._fixed is not None:
+            return self._fixed
+        if self.steps == 0:
+            return float("nan"), float("nan")
+        # The prior as a penalty strength * (b - ratio * a)^2, scaled by the data's weight so that
+        # it stays weak however many steps were seen: v = (-ratio, 1).
+        v = np.array([-self.ratio, 1.0])
+        gram = self._gram + self.strength * 1e-3 * self._gram[0, 0] * np.outer(v, v)
+        a, b = np.linalg.solve(gram, self._rhs)
+        if b < 0 or a < 0:  # noise can tilt the fit; time never falls as nodes are added
+            mean_n = self._gram[0, 1] / self._gram[0, 0]
+            mean_t = self._rhs[0] / self._gram[0, 0]
+            b = max(b, 0.0)
+            a = max(mean_t - b * mean_n, 0.0)
+        return float(a), float(b)
+
+    def seconds(self, nodes) -> np.ndarray | float:
+        a, b = self.coefficients
+        return a + b * np.asarray(nodes, dtype=np.float64)
+
+
+def probe_cost(model, cost: CostModel, sizes: Sequence[int] = (1, 4, 8, 16, 32), context: int = 64,
+               repeats: int = 2) -> CostModel:
+    """Seed ``cost`` with timed forwards of chain trees of ``sizes`` nodes after a ``context``-token
+    prompt (a scratch cache; a few hundred milliseconds for a 135M model on a CPU)."""
+    total = context + max(sizes) + 1
+    pages = -(-total // 16) + 1
+    cache = model.new_cache(pages, page_size=16)
+    cache.add_sequence(0)
+    prompt = torch.zeros(context, dtype=torch.int64)
+    model.forward(cache, [0], prompt, [context], logits_rows=torch.tensor([context - 1]))
+    for _ in range(repeats):
+        for n in sizes:
+            parents = np.arange(-1, n - 1, dtype=np.int64)
+            start = time.perf_counter()
+            out = model.forward(cache, [0], torch.zeros(n, dtype=torch.int64), [n], [parents])
+            out.logits.argmax(dim=-1)
+            cache.commit_accepted([0], [0])  # keep the root only: the context stays about the same
+            cost.add(n, time.perf_counter() - start)
+    return cost
+
+
+class AdaptiveDrafter:
+    """Drafts, per step, the tree with the most expected tokens per second (see the module docstring).
+
+    ``sources``: one or more ``ScoringDrafter``; their candidate trees are merged by token path (a
+    node's probability is the best any source gives it). ``max_nodes`` caps one request's tree (the
+    root included). ``cost`` defaults to a fresh ``CostModel``. Implements ``Drafter`` and
+    ``LearningDrafter``: keep one instance across ``generate`` calls to keep what it learnt.
+    """
+
+    def __init__(self, *sources: ScoringDrafter, cost: CostModel | None = None, max_nodes: int = 32,
+                 calibration_strength: float = 2.0):
+        if not sources:
+            raise ValueError("AdaptiveDrafter needs at least one ScoringDrafter source")
+        for i, s in enumerate(sources):
+            if not isinstance(s, ScoringDrafter):
+                raise TypeError(f"sources[{i}] must implement candidates(contexts, hidden=None), "
+                                f"got {type(s).__name__}")
+        if not isinstance(max_nodes, (int, np.integer)) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+        self.sources = sources
+        self.cost = cost if cost is not None else CostModel()
+        self.max_nodes = int(max_nodes)
+        self.calibrators = [Calibrator(calibration_strength) for _ in sources]
+        self._pending: list[list[Candidates]] = []  # per source, the last step's candidates
+        self._nodes = 0  # total nodes of the last step
+
+    def __repr__(self) -> str:
+        return f"AdaptiveDrafter({', '.join(map(repr, self.sources))}, max_nodes={self.max_nodes})"
+
+    def propose(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[DraftTree]:
+        per_source = [s.candidates(contexts, hidden) for s in self.sources]
+        for s, cands in zip(self.sources, per_source):
+            if len(cands) != len(contexts):
+                raise ValueError(f"{s!r} returned {len(cands)} candidate trees for {len(contexts)} contexts")
+        self._pending = per_source
+        merged = [self._merge([src[b] for src in per_source], self.calibrators)
+                  for b in range(len(contexts))]
+        trees = self._cut(merged)
+        self._nodes = sum(t.size for t in trees)
+        return trees
+
+    def observe(self, emitted: Sequence[Sequence[int]], seconds: float) -> None:
+        for calibrator, cands in zip(self.calibrators, self._pending):
+            for c, tokens in zip(cands, emitted):
+                calibrator.learn(c, tokens)
+        if self._nodes:
+            self.cost.add(self._nodes, seconds)
+        self._pending, self._nodes = [], 0
+
+    @staticmethod
+    def _merge(cands: Sequence[Candidates], calibrators: Sequence[Calibrator]):
+        """One trie over all sources: ``(tokens, parents, node probabilities)``, nodes in the order of
+        first appearance (parents first); a node's probability is the best any source gives it."""
+        root = int(cands[0].tree.tokens[0])
+        tokens, parents, prob = [root], [-1], [1.0]
+        index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for c, cal in zip(cands, calibrators):
+            t = c.tree
+            if int(t.tokens[0]) != root:
+                raise ValueError(f"candidate trees disagree on the root token ({int(t.tokens[0])} vs {root})")
+            edge = cal.probability(c.keys, c.prior)
+            where = [0] * t.size
+            path_p = [1.0] * t.size
+            for i in range(1, t.size):
+                p = int(t.parents[i])
+                path_p[i] = path_p[p] * float(edge[i])
+                key = (where[p], int(t.tokens[i]))
+                node = index.get(key)
+                if node is None:
+                    node = index[key] = len(tokens)
+                    tokens.append(key[1])
+                    parents.append(key[0])
+                    prob.append(path_p[i])
+                else:
+                    prob[node] = max(prob[node], path_p[i])
+                where[i] = node
+        return np.asarray(tokens, np.int64), np.asarray(parents, np.int64), np.asarray(prob)
+
+    def _cut(self, merged) -> list[DraftTree]:
+        """Keep, over all requests, the nodes (best first) that maximise expected tokens per second."""
+        batch = len(merged)
+        if np.isnan(self.cost.coefficients[0]):  # nothing measured yet: a plain decode, and measure it
+            return [DraftTree.root_only(int(m[0][0])) for m in merged]
+        # Best first per request, capped at max_nodes - 1; a child never beats its parent
+        # (probabilities multiply), ties go to the earlier (shallower) node: kept sets are connected.
+        rows = []
+        for b, (_, parents, prob) in enumerate(merged):
+            order = np.lexsort((np.arange(1, prob.size), -prob[1:]))[: self.max_nodes - 1] + 1
+            rows.extend((-float(prob[i]), b, int(i)) for i in order)
+        rows.sort()
+        gain = batch + np.cumsum([0.0] + [-r[0] for r in rows])
+        rate = gain / self.cost.seconds(batch + np.arange(len(rows) + 1))
+        keep = int(np.argmax(rate))  # argmax takes the first maximum: no drafts unless they pay
+        chosen: list[list[int]] = [[] for _ in range(batch)]
+        for _, b, i in rows[:keep]:
+            chosen[b].append(i)
+        trees = []
+        for (tokens, parents, _), nodes in zip(merged, chosen):
+            nodes = [0] + sorted(nodes)  # original order: parents before children, best siblings first
+            new = {old: j for j, old in enumerate(nodes)}
+            trees.append(DraftTree(tokens[nodes], np.array([-1] + [new[int(parents[i])] for i in nodes[1:]])))
+        return trees

@@ -1,0 +1,164 @@
+"""Adaptive draft trees: the cost model, the calibration and the cut (no model needed).
+
+Budget: ~5 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeattn.speculative import Drafter, DraftTree
+from treeattn.speculative.adaptive import (
+    AdaptiveDrafter,
+    Calibrator,
+    Candidates,
+    CostModel,
+    LearningDrafter,
+)
+
+
+class FixedChains:
+    """A scoring drafter: for every context, a chain of ``tokens`` with prior ``p`` per edge, all in bucket 7."""
+
+    def __init__(self, tokens, p=0.9):
+        self.tokens, self.p = list(tokens), p
+
+    def candidates(self, contexts, hidden=None):
+        out = []
+        for c in contexts:
+            n = len(self.tokens) + 1
+            tree = DraftTree(np.array([c[-1]] + self.tokens), np.arange(-1, n - 1))
+            out.append(Candidates(tree, np.full(n, 7), np.full(n, self.p)))
+        return out
+
+
+def measured(cost: CostModel, a: float, b: float, sizes=(1, 2, 4, 8, 16, 32), noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    for n in sizes:
+        cost.add(n, a + b * n + noise * rng.standard_normal())
+    return cost
+
+
+def test_cost_model_fits_measured_times():
+    cost = measured(CostModel(forget=1.0), 0.05, 0.004, sizes=list(range(1, 33)) * 3, noise=0.001)
+    a, b = cost.coefficients
+    assert a == pytest.approx(0.05, rel=0.05) and b == pytest.approx(0.004, rel=0.05)
+    assert cost.seconds(10) == pytest.approx(0.09, rel=0.03)
+
+
+def test_cost_model_follows_a_changing_machine():
+    cost = measured(CostModel(forget=0.9), 0.05, 0.004, sizes=[1, 8, 16] * 10)
+    measured(cost, 0.10, 0.010, sizes=[1, 8, 16] * 20)  # the machine got busier: recent steps win
+    a, b = cost.coefficients
+    assert a == pytest.approx(0.10, rel=0.05) and b == pytest.approx(0.010, rel=0.05)
+
+
+def test_cost_model_slope_comes_from_the_prior_until_sizes_vary():
+    cost = CostModel(ratio=0.1)
+    assert np.isnan(cost.coefficients[0])
+    for _ in range(5):
+        cost.add(1, 0.11)
+    a, b = cost.coefficients
+    assert a + b == pytest.approx(0.11, rel=1e-3) and b == pytest.approx(0.1 * a, rel=1e-2)
+    with pytest.raises(ValueError, match="nodes"):
+        cost.add(0, 0.1)
+
+
+def test_never_drafts_when_the_cost_model_says_it_cannot_pay():
+    # Every node would be accepted with probability 0.9, but costs about as much as a one-token step
+    # (a step's time is nearly all per node): a node brings less than the token a step would.
+    drafter = AdaptiveDrafter(FixedChains([5, 6, 7]), cost=measured(CostModel(forget=1.0), 0.001, 0.05))
+    trees = drafter.propose([np.array([1, 2]), np.array([3])])
+    assert [t.size for t in trees] == [1, 1]
+    assert [int(t.tokens[0]) for t in trees] == [2, 3]
+
+
+def test_drafts_when_nodes_are_cheap_and_likely():
+    drafter = AdaptiveDrafter(FixedChains([5, 6, 7]), cost=measured(CostModel(forget=1.0), 0.05, 0.001))
+    tree = drafter.propose([np.array([1, 2])])[0]
+    assert tree.tokens.tolist() == [2, 5, 6, 7] and tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_first_step_with_nothing_measured_is_a_plain_decode():
+    drafter = AdaptiveDrafter(FixedChains([5, 6]))
+    assert drafter.propose([np.array([1])])[0].size == 1
+    assert isinstance(drafter, Drafter) and isinstance(drafter, LearningDrafter)
+
+
+def test_calibration_learns_from_steps_that_drafted_nothing():
+    # The prior says 0.9, but the target never emits the drafted token: the drafter must learn that
+    # from lone-root steps too (counterfactual labels), and keep not drafting.
+    cost = measured(CostModel(forget=1.0), 0.05, 0.004)
+    drafter = AdaptiveDrafter(FixedChains([5, 6], p=0.9), cost=cost)
+    assert drafter.propose([np.array([1])])[0].size == 3
+    for _ in range(30):
+        drafter.propose([np.array([1])])
+        drafter.observe([[9]], 0.05)  # the target emitted 9, not 5
+    assert drafter.calibrators[0].probability(np.array([7]), np.array([0.9]))[0] < 0.1
+    assert drafter.propose([np.array([1])])[0].size == 1
+
+
+def test_calibrator_labels_only_nodes_on_the_emitted_path():
+    cal = Calibrator(decay=1.0)
+    # root 0; children 1 (token 5, key 1) and 2 (token 6, key 2); node 3 (token 7, key 3) below node 1;
+    # node 4 (token 8, key 4) below node 2.
+    tree = DraftTree(np.array([0, 5, 6, 7, 8]), np.array([-1, 0, 0, 1, 2]))
+    cal.learn(Candidates(tree, np.array([0, 1, 2, 3, 4]), np.full(5, 0.5)), [5, 9, 4])
+    assert cal.trials == {1: 1.0, 2: 1.0, 3: 1.0}  # node 4's parent was not emitted: no label
+    assert cal.hits == {1: 1.0, 2: 0.0, 3: 0.0}
+    cal.learn(Candidates(tree, np.array([0, 1, 2, 3, 4]), np.full(5, 0.5)), [5])  # depth 2 unknown yet
+    assert cal.trials[3] == 1.0 and cal.trials[1] == 2.0
+
+
+def test_sources_merge_by_path_with_the_best_probability():
+    a = FixedChains([5, 6], p=0.2)
+    b = FixedChains([5, 8], p=0.9)
+    drafter = AdaptiveDrafter(a, b, cost=measured(CostModel(forget=1.0), 0.05, 0.0001))
+    drafter.calibrators[0].strength = drafter.calibrators[1].strength = 1.0
+    tree = drafter.propose([np.array([1])])[0]
+    paths = {tuple(int(tree.tokens[i]) for i in tree.path(n)[1:]) for n in range(tree.size)}
+    assert paths == {(), (5,), (5, 6), (5, 8)}
+    assert tree.size == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=4),
+       st.floats(0.0, 1.0), st.floats(1e-4, 0.05), st.integers(1, 12))
+def test_adaptive_trees_are_valid_and_within_max_nodes(chains, p, per_node, max_nodes):
+    class Multi:
+        def candidates(self, contexts, hidden=None):
+            return [FixedChains(chains[b % len(chains)], p).candidates([c])[0] for b, c in enumerate(contexts)]
+
+    cost = measured(CostModel(forget=1.0), 0.05, per_node)
+    drafter = AdaptiveDrafter(Multi(), cost=cost, max_nodes=max_nodes)
+    contexts = [np.array([b, 40 + b]) for b in range(3)]
+    trees = drafter.propose(contexts)
+    for b, tree in enumerate(trees):
+        assert 1 <= tree.size <= max_nodes and tree.tokens[0] == 40 + b
+        chain = chains[b % len(chains)]
+        assert tree.tokens[1:].tolist() == chain[:tree.size - 1]  # a prefix of the candidate chain
+    # The cut maximises expected tokens per second: brute force over every per-request depth.
+    def rate(depths):
+        gain = 3 + sum(p ** (d + 1) for k in depths for d in range(k))
+        return gain / cost.seconds(3 + sum(depths))
+
+    limits = [min(len(chains[b % len(chains)]), max_nodes - 1) for b in range(3)]
+    best = max(rate((i, j, k)) for i in range(limits[0] + 1) for j in range(limits[1] + 1)
+               for k in range(limits[2] + 1))
+    assert rate([t.size - 1 for t in trees]) >= best * (1 - 1e-9)
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="at least one"):
+        AdaptiveDrafter()
+    with pytest.raises(TypeError, match="sources"):
+        AdaptiveDrafter(object())
+    with pytest.raises(ValueError, match="max_nodes"):
+        AdaptiveDrafter(FixedChains([1]), max_nodes=0)
+    with pytest.raises(ValueError, match="forget"):
+        CostModel(forget=0)
+    with pytest.raises(ValueError, match="one entry per tree node"):
+        Candidates(DraftTree.root_only(1), np.zeros(2), np.zeros(1))
