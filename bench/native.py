@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ def targets(rows: dict, peaks: dict) -> list[tuple[str, str, str]]:
         return c[base] / c["native"] if c.get(base) and c.get("native") else None
 
     cells = sorted(rows.items())
-    fmt = lambda k: f"{k[0]} T={k[1]} P={k[2]}"  # noqa: E731
+    fmt = lambda k: f"{k[0]} T={k[1]} P={k[2]}"
     check(">= 1.3x SDPA enable_gqa at P >= 4096", [(fmt(k), c) for k, c in cells if k[2] >= 4096],
           lambda c: ratio(c, "sdpa-gqa"), 1.3)
     check(">= 0.9x SDPA enable_gqa at P <= 512", [(fmt(k), c) for k, c in cells if k[2] <= 512],

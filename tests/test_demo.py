@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from treeattn.cli import demo
-from treeattn.models import loader
-from treeattn.models import LlamaTreeModel
+from treeattn.models import LlamaTreeModel, loader
 from treeattn.speculative import NGramDrafter
 from treeattn.speculative.adaptive import AdaptiveDrafter
 from treeattn.speculative.generate import generate

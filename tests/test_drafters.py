@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeattn import TokenTree
-from treeattn.speculative import DraftTree, Drafter, MedusaHeads, NGramDrafter, StaticTreeDrafter
+from treeattn.speculative import Drafter, DraftTree, MedusaHeads, NGramDrafter, StaticTreeDrafter
 
 
 def continuations(context: list[int], depth: int, min_ngram: int) -> set[tuple[int, ...]]:

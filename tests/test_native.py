@@ -9,14 +9,13 @@ run compiles the extension (about 1-3 minutes on 2 cores; cached afterwards).
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from tests.helpers import (MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch,
-                           outputs_for, poisoned, star)
 
 import treeattn
+from tests.helpers import MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch, outputs_for, poisoned, star
 from treeattn.backends import AttentionSpec
 from treeattn.backends.native import NativeBackend
 from treeattn.backends.native.build import EXTENSION, Extension
@@ -72,7 +71,7 @@ def layouts(batch) -> dict[str, PagedKV]:
 def test_a_simd_path_on_x86():
     """This CPU reports its paths best first; a test machine with AVX2 must not silently fall to generic."""
     assert ISAS[-1] == "generic"
-    if "avx2" in open("/proc/cpuinfo").read().split():
+    if "avx2" in Path("/proc/cpuinfo").read_text().split():
         assert ISAS[0] == "avx2"
 
 
@@ -83,7 +82,7 @@ def test_mixed_batch_every_layout(isa, dtype, page_size):
     batch = make_batch(MIXED, h_q=8, h_kv=2, d=64, dtype=dtype, seed=page_size, page_size=page_size)
     want = reference(batch)
     assert_close_to_reference(*native(batch, isa), *want, dtype)
-    for name, kv in layouts(batch).items():
+    for kv in layouts(batch).values():
         assert_close_to_reference(*native(batch, isa, kv), *want, dtype)
 
 

@@ -6,7 +6,6 @@ Budget: ~30 s on 2 quiet cores.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.test_model import llama, make_prompts, tiny_hf  # noqa: F401  (llama: a fixture)

@@ -323,7 +323,7 @@ class AdaptiveDrafter:
         # Best first per request, capped at max_nodes - 1; a child never beats its parent
         # (probabilities multiply), ties go to the earlier (shallower) node: kept sets are connected.
         rows = []
-        for b, (_, parents, prob) in enumerate(merged):
+        for b, (_, _parents, prob) in enumerate(merged):
             order = np.lexsort((np.arange(1, prob.size), -prob[1:]))[: self.max_nodes - 1] + 1
             rows.extend((-float(prob[i]), b, int(i)) for i in order)
         rows.sort()
