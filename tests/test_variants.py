@@ -25,7 +25,11 @@ from tests.helpers import (
 )
 from treeattn.backends import AttentionSpec, available_backends, get_backend
 
-BACKENDS = [b for b in available_backends("cpu") if b not in ("reference", "triton")]
+_ALL_VARIANTS = AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 16, 8, sliding_window=2, logit_softcap=1.0,
+                              sinks=True)
+# CPU-side backends that serve every variant (the others say so in their capabilities: tests/test_layouts.py)
+BACKENDS = [b for b in available_backends("cpu")
+            if b not in ("reference", "triton") and get_backend(b).unsupported(_ALL_VARIANTS) is None]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REQUESTS = [*MIXED, Request(chain(12), prefix=40, qo=7), Request(random_tree(np.random.default_rng(3), 30), prefix=1300),
             Request(forest(binary(7), star(5)), prefix=9)]
