@@ -1,9 +1,9 @@
 """Backend registry and capability dispatch (xFormers-style: each backend declares what it serves).
 
 ``select(name, spec)`` returns the backend for a call: the named one if it can serve the call, or
-with ``name=None`` the fastest capable one, in the order of ``BACKENDS`` (Triton, then the CPU
-backend). The float64 reference serves every call but is only used when asked for by name. When
-nothing fits, the error lists why each backend cannot run.
+with ``name=None`` the fastest capable one, in the order of ``BACKENDS`` (Triton, the native C++
+CPU kernel, then the PyTorch CPU backend). The float64 reference serves every call but is only
+used when asked for by name. When nothing fits, the error lists why each backend cannot run.
 """
 
 from __future__ import annotations
