@@ -5,7 +5,7 @@
 Needs the vLLM venv (``make test-vllm`` builds it). Shapes of SmolLM2 under vLLM on the CPU
 (9 query / 3 KV heads, head dim 64, block size 128), one thread: decode of 1 and 16 requests at
 context 576 (the middle of ``bench/vllm_serving.py``'s decode) and a 512-token prefill. Also the
-builder's plan (``treeattn.vllm.batch.causal_plan``), which vLLM's step pays once for all layers.
+builder's plan (``treeattn.vllm.batch.step_plan``), which vLLM's step pays once for all layers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from treeattn import paged_tree_attention
-from treeattn.vllm.batch import causal_plan, split_kv_cache
+from treeattn.vllm.batch import split_kv_cache, step_plan
 
 H_Q, H_KV, D, PAGE, PAGES = 9, 3, 64, 128, 200
 STEPS = [(1, 1, 576), (16, 1, 576), (1, 512, 512)]  # (requests, new tokens each, context)
@@ -39,8 +39,8 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
     qsl = np.arange(requests + 1) * new
     seq_lens = np.full(requests, context)
     table = np.arange(requests * 8).reshape(requests, 8) % PAGES
-    plan_ms = ms(lambda: causal_plan(qsl, seq_lens, table, page_size=PAGE, num_pages=PAGES))
-    plan = causal_plan(qsl, seq_lens, table, page_size=PAGE, num_pages=PAGES)
+    plan_ms = ms(lambda: step_plan(qsl, seq_lens, table, page_size=PAGE, num_pages=PAGES))
+    plan = step_plan(qsl, seq_lens, table, page_size=PAGE, num_pages=PAGES)
     k, v = split_kv_cache(torch.randn(PAGES, H_KV, PAGE, 2 * D, dtype=dtype))
     q = torch.randn(requests * new, H_Q, D, dtype=dtype)
     out = torch.empty_like(q)

@@ -30,11 +30,13 @@ ENGINE = {"dtype": "float32", "enforce_eager": True, "seed": 0, "disable_log_sta
           "max_num_seqs": 8}
 
 
-def run_engine(tmp: Path, model: Path, jobs: list[dict], *, treeattn: bool, tp: int = 1, **engine) -> dict:
-    """Run ``jobs`` on one engine in a subprocess; check the log names the backend that ran."""
-    name = f"{model.name}-tp{tp}-{'treeattn' if treeattn else 'cpu_attn'}"
+def run_engine(tmp: Path, model: Path, jobs: list[dict], *, treeattn: bool, tp: int = 1, tree: dict | None = None,
+               **engine) -> dict:
+    """Run ``jobs`` on one engine in a subprocess (verifying trees with ``tree``, see ``tests.vllm_engine``);
+    check the log names the backend that ran."""
+    name = f"{model.name}-tp{tp}-{'treeattn' if treeattn else 'cpu_attn'}{'-tree' if tree else ''}"
     spec, result = tmp / f"{name}.json", tmp / f"{name}.out.json"
-    spec.write_text(json.dumps({"model": str(model), "jobs": jobs,
+    spec.write_text(json.dumps({"model": str(model), "jobs": jobs, "tree": tree,
                                 "engine": {**ENGINE, "tensor_parallel_size": tp, **engine}}))
     env = {**os.environ, **ENV, "TREEATTN_VLLM": "1" if treeattn else "0"}
     if tp > 1:  # more ranks than NUMA nodes: bind one core per rank by hand
@@ -47,13 +49,13 @@ def run_engine(tmp: Path, model: Path, jobs: list[dict], *, treeattn: bool, tp: 
     return json.loads(result.read_text())
 
 
-def tiny_qwen2(folder: Path, *, heads: int, kv_heads: int) -> Path:
+def tiny_qwen2(folder: Path, *, heads: int, kv_heads: int, vocab: int = 512) -> Path:
     """A random 2-layer Qwen2 (QKV biases) saved with ``save_pretrained`` (no tokenizer: prompts are token ids)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     # A wide initialisation spreads the logits, so float32 rounding cannot flip a greedy choice.
-    config = Qwen2Config(vocab_size=512, hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32 * heads, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
                         max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -131,7 +133,7 @@ def test_one_mixed_step_matches_cpu_attn_kernels():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
 
     from treeattn.vllm.backend import TreeAttentionImpl, TreeAttentionMetadata
-    from treeattn.vllm.batch import causal_plan
+    from treeattn.vllm.batch import step_plan
 
     h_q, h_kv, d, bs, blocks, scale = 4, 2, 32, 32, 16, 0.2
     requests = [(0, 40), (70, 1), (33, 4), (5, 0)]  # (cached, new) tokens
@@ -162,7 +164,7 @@ def test_one_mixed_step_matches_cpu_attn_kernels():
     ours = TreeAttentionImpl(h_q, d, scale, h_kv)
     cache = torch.zeros(blocks, h_kv, bs, 2 * d)
     ours.do_kv_cache_update(layer, k, v, cache, slots)
-    plan = causal_plan(qsl, seq_lens, table, page_size=bs, num_pages=blocks)
+    plan = step_plan(qsl, seq_lens, table, page_size=bs, num_pages=blocks)
     out = torch.full_like(q, float("nan"))
     ours.forward(layer, q, None, None, cache, TreeAttentionMetadata(plan, q.shape[0]), out)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
@@ -214,13 +216,18 @@ def smollm2_runs(smollm2, smollm2_jobs, tmp_path_factory) -> dict[str, dict]:
     engine = {"max_model_len": 1024, "max_num_batched_tokens": 128, "enable_prefix_caching": True,
               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                      "prompt_lookup_min": 1}}
-    return {name: run_engine(tmp, smollm2, smollm2_jobs, treeattn=name == "treeattn", **engine)
+    runs = {name: run_engine(tmp, smollm2, smollm2_jobs, treeattn=name == "treeattn", **engine)
             for name in ("cpu_attn", "treeattn")}
+    # treeattn's trees from its n-gram tree drafter (the default), in place of vLLM's chains
+    del engine["speculative_config"]
+    runs["treeattn-tree"] = run_engine(tmp, smollm2, smollm2_jobs, treeattn=True, tree={"nodes": 8}, **engine)
+    return runs
 
 
+@pytest.mark.parametrize("run", ["treeattn", "treeattn-tree"])
 @pytest.mark.parametrize("job", ["prompts", "long", "prefix", "repeat"])
-def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job):
-    ours, theirs = smollm2_runs["treeattn"]["tokens"][job], smollm2_runs["cpu_attn"]["tokens"][job]
+def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job, run):
+    ours, theirs = smollm2_runs[run]["tokens"][job], smollm2_runs["cpu_attn"]["tokens"][job]
     max_tokens = next(j["max_tokens"] for j in smollm2_jobs if j["name"] == job)
     assert all(len(t) == max_tokens for t in ours)
     assert ours == theirs
@@ -228,8 +235,8 @@ def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job):
 
 def test_ngram_drafts_were_verified_and_accepted(smollm2_runs):
     for run in smollm2_runs.values():
-        assert run["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
-        assert run["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+        drafted = run["counters"]["vllm:spec_decode_num_draft_tokens"]
+        assert 0 < run["counters"]["vllm:spec_decode_num_accepted_tokens"] <= drafted
 
 
 def test_smollm2_prefix_cache_was_hit(smollm2_runs):
@@ -237,8 +244,9 @@ def test_smollm2_prefix_cache_was_hit(smollm2_runs):
         assert run["counters"]["vllm:prefix_cache_hits"] > 0
 
 
-def test_bad_requests_are_refused_alone(smollm2_runs):
-    ours, theirs = smollm2_runs["treeattn"], smollm2_runs["cpu_attn"]
+@pytest.mark.parametrize("run", ["treeattn", "treeattn-tree"])
+def test_bad_requests_are_refused_alone(smollm2_runs, run):
+    ours, theirs = smollm2_runs[run], smollm2_runs["cpu_attn"]
     errors = ours["errors"]["bad-requests"]
     assert len(errors) == 2 and "accepted" not in errors, errors
     assert ours["tokens"]["bad-requests"] == theirs["tokens"]["bad-requests"]
@@ -256,3 +264,87 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
     tp2 = run_engine(tmp_path, model, jobs, treeattn=True, tp=2, distributed_executor_backend="mp", **engine)
     assert tp1["tokens"] == reference["tokens"]
     assert tp2["tokens"] == tp1["tokens"]
+
+
+# ---------------------------------------------------------------- tree speculation (treeattn.vllm.speculative)
+
+TREE_PROMPT_LENGTHS = [3, 50, 17, 300, 9]  # 300 > max_num_batched_tokens: chunked beside the others' trees
+
+
+@pytest.fixture(scope="module")
+def tiny_tree_runs(tmp_path_factory) -> dict:
+    """A tiny Qwen2: vLLM alone without speculation, then treeattn trees from an oracle drafter (true
+    continuations among decoys: long accepted paths, committed out of node order)."""
+    tmp = tmp_path_factory.mktemp("tree")
+    model = tiny_qwen2(tmp / "qwen2", heads=4, kv_heads=2)
+    prompts = token_prompts(5, TREE_PROMPT_LENGTHS)
+    prompts.append(prompts[1][:40] + token_prompts(6, [12])[0])  # shares a cached prefix with prompt 1
+    lengths = [40, 24, 33, 20, 7, 28]  # requests finish at different steps
+    jobs = [{"name": "greedy", "max_tokens": lengths, "prompts": prompts},
+            # penalised requests decode plainly inside a tree engine: still exactly vLLM's
+            {"name": "penalty", "max_tokens": 16, "prompts": prompts[:2],
+             "sampling": {"temperature": 0.0, "repetition_penalty": 1.5}}]
+    engine = {"max_model_len": 512, "skip_tokenizer_init": True, "max_num_batched_tokens": 128,
+              "enable_prefix_caching": True}
+    plain = run_engine(tmp, model, jobs, treeattn=False, **engine)
+    truths = [[p, t] for p, t in zip(prompts, plain["tokens"]["greedy"])]
+    oracle = {"class": "tests.vllm_drafters.OracleDrafter", "kwargs": {"truths": truths, "vocab": 512}}
+    tree = run_engine(tmp, model, jobs, treeattn=True, tree={"nodes": 12, "drafter": oracle}, **engine)
+    return {"plain": plain, "tree": tree}
+
+
+def test_tree_greedy_is_vllms_greedy(tiny_tree_runs):
+    plain, tree = tiny_tree_runs["plain"]["tokens"], tiny_tree_runs["tree"]["tokens"]
+    assert [len(t) for t in tree["greedy"]] == [40, 24, 33, 20, 7, 28]
+    assert tree["greedy"] == plain["greedy"]
+    assert tree["penalty"] == plain["penalty"]
+
+
+def test_tree_metrics_are_vllms_own_and_consistent(tiny_tree_runs):
+    counters = tiny_tree_runs["tree"]["counters"]
+    drafts, drafted = counters["vllm:spec_decode_num_drafts"], counters["vllm:spec_decode_num_draft_tokens"]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted <= drafted and drafts > 0
+    # The oracle hides paths of up to 6 true tokens among decoys: well over one token per draft is accepted,
+    # so paths were committed (any wrong K/V after a commit would have changed the greedy tokens above).
+    assert accepted / drafts > 1.5, counters
+    assert counters["vllm:prefix_cache_hits"] > 0
+
+
+def test_tree_sampling_keeps_the_target_distribution(tmp_path):
+    """A tiny vocabulary: the joint law of three sampled tokens (two of them verified in trees that try
+    several children and grandchildren) against the exact law computed from the model itself."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    vocab, temperature, samples = 6, 1.3, 3000
+    model = tiny_qwen2(tmp_path / "qwen2", heads=2, kv_heads=1, vocab=vocab)
+    prompt = [1, 4, 2, 5, 0]
+    drafter = {"class": "tests.vllm_drafters.FixedTreeDrafter", "kwargs": {"children": [0, 1, 2, 3],
+                                                                             "grandchildren": [4, 1]}}
+    jobs = [{"name": "samples", "max_tokens": 3, "prompts": [prompt],
+             "sampling": {"temperature": temperature, "n": samples, "seed": 7}}]
+    run = run_engine(tmp_path, model, jobs, treeattn=True, tree={"nodes": 13, "drafter": drafter},
+                     max_model_len=64, skip_tokenizer_init=True, max_num_seqs=256)
+    seen = np.zeros((vocab,) * 3)
+    for t in run["tokens"]["samples"][0]:
+        seen[tuple(t)] += 1
+    assert seen.sum() == samples
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64)
+    grid = torch.tensor([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])
+    with torch.no_grad():
+        logits = hf(grid).logits[:, -3:] / temperature  # each row: p(t1), p(t2 | t1), p(t3 | t1 t2)
+    probs = logits.softmax(-1).view(vocab, vocab, 3, vocab)
+    exact = (probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]).numpy()
+    assert abs(exact.sum() - 1) < 1e-9
+    expected = exact.ravel() * samples
+    big = expected >= 5  # Pearson's chi-square over cells expected 5+ times, the rest pooled
+    observed = np.append(seen.ravel()[big], seen.ravel()[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    stat = ((observed - expected) ** 2 / expected).sum()
+    p_value = torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2), torch.tensor(stat / 2)).item()
+    assert p_value > 1e-3, (stat, len(expected))  # the chi-square law's survival function
+    counters = run["counters"]
+    assert 0 < counters["vllm:spec_decode_num_accepted_tokens"] <= counters["vllm:spec_decode_num_draft_tokens"]

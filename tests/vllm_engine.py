@@ -5,10 +5,15 @@ plugin decides at vLLM's start which class sits behind ``CPU_ATTN``, so the two 
 share a process. Usage: ``python -m tests.vllm_engine SPEC.json RESULT.json``, where the spec holds
 ``model``, ``engine`` (keyword arguments of ``vllm.LLM``) and ``jobs`` (run in order):
 
-- ``{"name", "prompts": [[token ids]...], "max_tokens"}``: one ``generate`` call over all prompts, greedy;
+- ``{"name", "prompts": [[token ids]...], "max_tokens"}``: one ``generate`` call over all prompts
+  (``max_tokens`` one for all or one per prompt), greedy, or with ``"sampling"`` (keyword arguments
+  of ``SamplingParams``; then every sample of each prompt is kept);
 - ``{"name", "prompts", "max_tokens", "bad": [...]}``: the prompts as requests of one engine run, with
   invalid requests (``{"prompt": ..., "sampling": {...}}``) added between them; each bad one must be
   refused on its own while the good ones finish.
+
+With ``"tree": {"nodes", "drafter": {"class": "module.Name", "kwargs": {...}} | null}`` in the spec,
+the engine verifies token trees (``treeattn.vllm.speculative.tree_speculative_config``).
 
 The result maps job names to generated token ids, ``errors`` to the refusals of each job, and
 ``counters`` to vLLM's counter metrics (speculative drafts, prefix-cache hits) after all jobs.
@@ -16,17 +21,33 @@ The result maps job names to generated token ids, ``errors`` to the refusals of 
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 
-def _generate(llm, job) -> list[list[int]]:
+def _generate(llm, job) -> list[list[int]] | list[list[list[int]]]:
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    sampling, lengths = job.get("sampling"), job["max_tokens"]
+    lengths = lengths if isinstance(lengths, list) else [lengths] * len(job["prompts"])  # per prompt: finish apart
+    params = [SamplingParams(**{"temperature": 0.0, **(sampling or {}), "max_tokens": n, "ignore_eos": True})
+              for n in lengths]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    if sampling is not None:
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _speculative_config(tree: dict) -> dict:
+    from treeattn.vllm.speculative import tree_speculative_config
+
+    drafter = tree.get("drafter")
+    if drafter is not None:
+        module, name = drafter["class"].rsplit(".", 1)
+        drafter = getattr(importlib.import_module(module), name)(**drafter.get("kwargs", {}))
+    return tree_speculative_config(nodes=tree["nodes"], drafter=drafter)
 
 
 def _with_bad_requests(llm, job) -> tuple[list[list[int]], list[str]]:
@@ -57,7 +78,10 @@ def main(spec_path: str, result_path: str) -> None:
     from vllm import LLM
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["model"], **spec["engine"])
+    engine = dict(spec["engine"])
+    if spec.get("tree") is not None:
+        engine["speculative_config"] = _speculative_config(spec["tree"])
+    llm = LLM(model=spec["model"], **engine)
     tokens, errors = {}, {}
     for job in spec["jobs"]:
         if "bad" in job:

@@ -6,8 +6,9 @@
   and write vLLM's tensor in place. Inside a cell the bytes differ from ``CPU_ATTN``'s (which packs
   K per CPU ISA, e.g. transposed), so tools that parse ``CPU_ATTN`` pages (its NIXL connector) do
   not apply.
-- **Builder**: once per step, vLLM's batch becomes one ``TreeAttentionPlan`` (``batch.causal_plan``),
-  shared by every layer of the KV cache group.
+- **Builder**: once per step, vLLM's batch becomes one ``TreeAttentionPlan`` (``batch.step_plan``),
+  shared by every layer of the KV cache group; with tree speculation (``treeattn.vllm.speculative``)
+  the requests' draft trees go into it.
 - **Impl**: ``do_kv_cache_update`` stores the new K/V by vLLM's ``slot_mapping``; ``forward`` is
   one ``paged_tree_attention`` call into vLLM's output buffer.
 """
@@ -36,7 +37,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..layout import PagedKV, SlotIndex
 from ..ops import paged_tree_attention
 from ..plan import TreeAttentionPlan
-from .batch import causal_plan, split_kv_cache
+from .batch import split_kv_cache, step_plan
+from .speculative import step_trees
 
 logger = init_logger("vllm.treeattn")
 
@@ -78,8 +80,9 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         m = common_attn_metadata
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise NotImplementedError("treeattn's vLLM backend serves causal decoder attention only")
-        plan = causal_plan(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
-                           page_size=self.page_size, num_pages=self._num_pages(), device=self.device)
+        plan = step_plan(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
+                         page_size=self.page_size, num_pages=self._num_pages(), trees=step_trees(m.num_reqs),
+                         device=self.device)
         return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens)
 
 

@@ -12,6 +12,10 @@ a causal run of ``m`` new tokens after a cached prefix is exactly tree attention
 prefix) and chain speculative verification (``m = 1 + drafts``) are all the same case, so one
 plan covers a mixed batch.
 
+Tree speculation (``treeattn.vllm.speculative``) lays a request's draft tree out as its new tokens
+(the root, i.e. the last sampled token, first; parents before children): that request's rows then
+attend to its cached prefix plus their own ancestors, by the tree's ``(enter, exit)`` intervals.
+
 A long run is cut into kernel requests of at most ``CHAIN_CHUNK`` rows on the same pages, each
 seeing the keys before it plus a chain over itself, as the paged cache does (``kvcache.step``):
 it keeps the masked part of every kernel request small.
@@ -19,13 +23,17 @@ it keeps the masked part of every kernel request small.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from ..kvcache.step import CHAIN_CHUNK
+from ..layout import PagedKV
 from ..plan import TreeAttentionPlan
+from ..tree import encode_trees
 
-__all__ = ["causal_plan", "split_kv_cache"]
+__all__ = ["move_tokens", "split_kv_cache", "step_plan"]
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +41,11 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks, heads, block_size, two_d = kv_cache.shape
     k, v = kv_cache.view(blocks, heads, 2 * block_size, two_d // 2).chunk(2, dim=2)
     return k, v
+
+
+def move_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy the K/V of ``src_slots`` to ``dst_slots`` in one layer's cache (all sources read first)."""
+    PagedKV.wrap(split_kv_cache(kv_cache), "HND").copy(src_slots, dst_slots)
 
 
 def _host(x, name: str) -> np.ndarray:
@@ -44,13 +57,16 @@ def _host(x, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def causal_plan(query_start_loc, seq_lens, block_table, *, page_size: int, num_pages: int,
-                device: torch.device | str = "cpu", chunk: int = CHAIN_CHUNK) -> TreeAttentionPlan:
-    """Plan causal attention of each request's new tokens over its pages.
+def step_plan(query_start_loc, seq_lens, block_table, *, page_size: int, num_pages: int,
+              trees: Sequence[np.ndarray | None] | None = None, device: torch.device | str = "cpu",
+              chunk: int = CHAIN_CHUNK) -> TreeAttentionPlan:
+    """Plan attention of each request's new tokens over its pages: causal, or over a draft tree.
 
     ``query_start_loc [B+1]``, ``seq_lens [B]`` (including the new tokens) and
     ``block_table [B, max_blocks]`` as vLLM passes them; rows of the returned plan are the rows of
-    vLLM's query in order. Shapes and ranges are validated by ``TreeAttentionPlan.paged``.
+    vLLM's query in order. ``trees[b]``, when given and not None, is request ``b``'s parent array
+    over its new tokens (``-1`` for the first, every other parent earlier). Shapes and ranges are
+    validated by ``TreeAttentionPlan.paged``.
     """
     qsl, seq = _host(query_start_loc, "query_start_loc"), _host(seq_lens, "seq_lens")
     table = _host(block_table, "block_table")
@@ -60,13 +76,21 @@ def causal_plan(query_start_loc, seq_lens, block_table, *, page_size: int, num_p
     qo = np.diff(qsl)
     if (qo < 0).any() or (seq < qo).any():
         raise ValueError("each request needs 0 <= new tokens <= seq_len")
+    trees = list(trees) if trees is not None else [None] * qo.shape[0]
+    if len(trees) != qo.shape[0]:
+        raise ValueError(f"trees has {len(trees)} entries for {qo.shape[0]} requests")
+    is_tree = np.array([t is not None for t in trees], dtype=bool)
+    for b in np.flatnonzero(is_tree):
+        if len(trees[b]) != qo[b]:
+            raise ValueError(f"trees[{b}] has {len(trees[b])} nodes, but request {b} has {qo[b]} new tokens")
 
-    # Cut request b's rows into ceil(qo / chunk) pieces (one empty piece when qo == 0).
-    pieces = np.maximum(1, -(-qo // chunk))
+    # Cut request b's rows into ceil(qo / chunk) pieces (one empty piece when qo == 0); a tree is
+    # one piece (its nodes see their ancestors, not the rows before them).
+    pieces = np.where(is_tree, 1, np.maximum(1, -(-qo // chunk)))
     req = np.repeat(np.arange(qo.shape[0]), pieces)
     k = np.arange(req.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     start = qsl[req] + k * chunk
-    end = np.minimum(start + chunk, qsl[req + 1])
+    end = np.where(is_tree[req], qsl[req + 1], np.minimum(start + chunk, qsl[req + 1]))
     rows = end - start
     kv_len = seq[req] - (qsl[req + 1] - end)  # the keys before this piece's last row, itself included
 
@@ -79,6 +103,9 @@ def causal_plan(query_start_loc, seq_lens, block_table, *, page_size: int, num_p
     # Chain of ``rows`` nodes: node i enters at i and its subtree runs to the end of the chain.
     local = np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
     order = np.stack([local, np.repeat(rows, rows)], axis=1)
+    if is_tree.any():  # a tree request is one piece, so its rows are its query rows
+        _, tree_order, _ = encode_trees([trees[b] for b in np.flatnonzero(is_tree)], "trees")
+        order[np.concatenate([np.arange(qsl[b], qsl[b + 1]) for b in np.flatnonzero(is_tree)])] = tree_order
 
     def i32(a):
         return np.ascontiguousarray(a, dtype=np.int32)
