@@ -7,7 +7,8 @@ share a process. Usage: ``python -m tests.vllm_engine SPEC.json RESULT.json``, w
 
 - ``{"name", "prompts": [[token ids]...], "max_tokens"}``: one ``generate`` call over all prompts
   (``max_tokens`` one for all or one per prompt), greedy, or with ``"sampling"`` (keyword arguments
-  of ``SamplingParams``; then every sample of each prompt is kept);
+  of ``SamplingParams``; then every sample of each prompt is kept, with the logprob of each of its
+  tokens when ``logprobs`` is set);
 - ``{"name", "prompts", "max_tokens", "bad": [...]}``: the prompts as requests of one engine run, with
   invalid requests (``{"prompt": ..., "sampling": {...}}``) added between them; each bad one must be
   refused on its own while the good ones finish.
@@ -35,6 +36,9 @@ def _generate(llm, job) -> list[list[int]] | list[list[list[int]]]:
     params = [SamplingParams(**{"temperature": 0.0, **(sampling or {}), "max_tokens": n, "ignore_eos": True})
               for n in lengths]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
+    if sampling is not None and sampling.get("logprobs") is not None:  # with each chosen token's logprob
+        return [[[list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]] for c in o.outputs]
+                for o in outputs]
     if sampling is not None:
         return [[list(c.token_ids) for c in o.outputs] for o in outputs]
     return [list(o.outputs[0].token_ids) for o in outputs]

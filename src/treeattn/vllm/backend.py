@@ -86,10 +86,6 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens)
 
 
-# treeattn's kernels for the device type of vLLM's tensors.
-KERNELS = {"cpu": "cpu", "cuda": "triton"}
-
-
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
@@ -129,10 +125,10 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         if attn_metadata is None:  # vLLM's profiling run: no batch, nothing to attend
             return output
         plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
-        # Index arrays None: the plan's own (built once per step by the builder).
+        # Index arrays None: the plan's own (built once per step by the builder). The kernels are
+        # treeattn's capability dispatch: Triton on CUDA; on the CPU the native C++ kernel, else PyTorch.
         paged_tree_attention(query[:rows], None, split_kv_cache(kv_cache), None, None, None, None, None,
-                             kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows],
-                             backend=KERNELS[query.device.type])
+                             kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows])
         return output
 
 
