@@ -17,11 +17,12 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from vllm_engines import engine_env, run_engine, write_results
 
 BACKENDS = ("cpu_attn", "treeattn")
 
@@ -98,17 +99,9 @@ def main() -> None:
                               f"load average before {os.getloadavg()[0]:.1f}"}
         for name in BACKENDS:
             out = Path(tmp) / f"{name}.json"
-            env = {**os.environ, "TREEATTN_VLLM": "1" if name == "treeattn" else "0", "HF_HUB_OFFLINE": "1",
-                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
             cmd = [sys.executable, __file__, *sys.argv[1:], "--model", args.model, "--serve", str(out)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode:
-                sys.exit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-            results[name] = json.loads(out.read_text())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(results, indent=2))
-    Path(f"{args.out}.md").write_text(table(results, args))
-    print(table(results, args))
+            results[name] = run_engine(name, cmd, engine_env(name == "treeattn"), out)
+    write_results(args.out, results, table(results, args))
 
 
 if __name__ == "__main__":  # vLLM starts engine processes with spawn

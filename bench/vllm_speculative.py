@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from speculative import NO_LOOKUP  # bench/speculative.py: prompts with nothing to look up
+from vllm_engines import engine_env, run_engine, write_results
 
 METHODS = {"plain": None, "chain ngram 5": {"chain": 5}, "chain ngram 15": {"chain": 15},
            "tree 8": {"tree": 8}, "tree 16": {"tree": 16}}
@@ -131,21 +131,11 @@ def main() -> None:
         for name in args.methods:
             out = Path(tmp) / "out.json"
             tree = METHODS[name] is not None and "tree" in METHODS[name]
-            env = {**os.environ, "TREEATTN_VLLM": "1" if tree else "0", "HF_HUB_OFFLINE": "1",
-                   "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
             cmd = [sys.executable, __file__, "--max-tokens", str(args.max_tokens), "--model", args.model,
                    "--serve", name, str(prompts_file), str(out)]
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode:
-                sys.exit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-            results["methods"][name] = json.loads(out.read_text())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(results, indent=2))
-    Path(f"{args.out}.md").write_text(table(results, args))
-    print(table(results, args))
-
+            results["methods"][name] = run_engine(name, cmd, engine_env(tree, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+                                                  out)
+    write_results(args.out, results, table(results, args))
 
 if __name__ == "__main__":  # vLLM starts engine processes with spawn
     main()
