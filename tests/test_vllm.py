@@ -119,10 +119,20 @@ def test_plugin_registers_triton_as_custom_on_cuda(registry, monkeypatch):
 
 # ---------------------------------------------------------------- one layer, one step, against vLLM's kernels
 
-def test_one_mixed_step_matches_cpu_attn_kernels():
+@pytest.mark.parametrize("kernels", [None, "triton"])
+def test_one_mixed_step_matches_cpu_attn_kernels(kernels):
     """Prefill, decode, verification and an idle request in one step: each backend writes the same
     K/V with its own writer into its own pages, then attends; the outputs agree. (The pages are
-    not byte-identical: CPU_ATTN stores K transposed within a block for its kernels.)"""
+    not byte-identical: CPU_ATTN stores K transposed within a block for its kernels.)
+    ``kernels="triton"`` is the CUDA path's kernels, run on the CPU by Triton's interpreter, which
+    must be chosen before triton is imported: that case reruns this test in a fresh process."""
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.importorskip("triton")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "vllm", "-p", "no:cacheprovider",
+                               f"{__file__}::test_one_mixed_step_matches_cpu_attn_kernels[triton]"],
+                              cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+        assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+        return
     import types
 
     import numpy as np
@@ -160,6 +170,7 @@ def test_one_mixed_step_matches_cpu_attn_kernels():
         block_table=table, slot_mapping=slots, scheduler_metadata=scheduler), expected)
 
     ours = TreeAttentionImpl(h_q, d, scale, h_kv)
+    ours.kernels = kernels
     cache = torch.zeros(blocks, h_kv, bs, 2 * d)
     ours.do_kv_cache_update(layer, k, v, cache, slots)
     plan = step_plan(qsl, seq_lens, table, page_size=bs, num_pages=blocks)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from treeattn.speculative import DraftTree, NGramDrafter
-from treeattn.vllm.speculative import DRAFTER_ENV_VAR, _Step, plain_decoding_reason, tree_speculative_config
+from treeattn.vllm import tree_speculative_config
+from treeattn.vllm.speculative import DRAFTER_ENV_VAR, _Step, plain_decoding_reason
 
 
 @pytest.fixture

@@ -10,13 +10,16 @@ each tensor-parallel worker), so the variable reaches all of them. Then:
 
 Only this module is imported by the entry point; ``treeattn.vllm.backend`` (which imports vLLM's
 internals) is imported by vLLM when it resolves the registered class path.
+
+Tree speculative decoding: ``vllm.LLM(model, speculative_config=treeattn.vllm.tree_speculative_config())``
+(defined in ``treeattn.vllm.speculative``, imported on first use).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["ENV_VAR", "enabled", "register"]
+__all__ = ["ENV_VAR", "enabled", "register", "tree_speculative_config"]
 
 ENV_VAR = "TREEATTN_VLLM"
 
@@ -44,3 +47,11 @@ def register() -> None:
         return
     register_backend(member, f"{__name__}.backend.{cls}")
     logger.info("%s=1: vLLM attention backend %s now runs through treeattn (%s)", ENV_VAR, member.name, cls)
+
+
+def __getattr__(name: str):
+    if name == "tree_speculative_config":
+        from .speculative import tree_speculative_config
+
+        return tree_speculative_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -87,6 +87,11 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
 
 
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
+    # None: treeattn's capability dispatch picks the kernel (Triton on CUDA; on the CPU the native C++
+    # kernel, else PyTorch). A backend name forces one, e.g. "triton" on CPU tensors under
+    # TRITON_INTERPRET=1, which is how the CUDA path is checked on a machine without a GPU.
+    kernels: str | None = None
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -125,10 +130,9 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         if attn_metadata is None:  # vLLM's profiling run: no batch, nothing to attend
             return output
         plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
-        # Index arrays None: the plan's own (built once per step by the builder). The kernels are
-        # treeattn's capability dispatch: Triton on CUDA; on the CPU the native C++ kernel, else PyTorch.
+        # Index arrays None: the plan's own (built once per step by the builder).
         paged_tree_attention(query[:rows], None, split_kv_cache(kv_cache), None, None, None, None, None,
-                             kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows])
+                             kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows], backend=self.kernels)
         return output
 
 
