@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 
 from ...layout import PagedKV
 from ...plan import TreeAttentionPlan
 from ...rope import RoPE
 from .. import AttentionSpec, select
-from .partition import WorkPartition, cdiv, num_sms, partition_arrays, plan_tiles, split_chunk
+from .partition import WorkPartition, cdiv, default_chunk, num_sms, partition_arrays, plan_tiles
 from .tables import CountColumn, RequestColumn, WorkColumn
 
 
@@ -63,6 +62,7 @@ class GraphEnvelope:
             token_request=torch.zeros(max_tokens, **i32),
             tree_order=torch.zeros(max(1, max_tree_nodes), 2, **i32),
             page_indices=torch.zeros(max(1, max_pages), **i32),
+            row_positions=torch.zeros(1, **i32), node_depths=torch.zeros(1, **i32),  # no window in an envelope
             partial_rows=max_partial_rows, grid_work=self.max_work, grid_tokens=max_tokens, launch_merge=True,
             chunk=0)
         self.plan: TreeAttentionPlan | None = None
@@ -83,9 +83,7 @@ class GraphEnvelope:
         """Load ``plan``'s partition into the static tables (host work plus async copies, no sync)."""
         self._check(plan)
         part, tiles, group = self.partition, self.partition.tiles, self.spec.group
-        rowblocks = cdiv(plan.qo_lens.astype(np.int64) * group, tiles.block_m)
-        chunk = split_chunk(rowblocks, plan.kv_lens.astype(np.int64), self.spec.num_kv_heads, tiles.block_n,
-                            num_sms(self.spec.device))
+        chunk = default_chunk(plan, self.spec, tiles)
         while True:  # a coarser split until the work list and workspace fit (no split always fits)
             host = partition_arrays(plan, group, tiles, chunk)
             if chunk == 0 or (host["work"].shape[0] <= self.max_work and host["partial_rows"] <= part.partial_rows):
