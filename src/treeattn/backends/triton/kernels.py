@@ -18,6 +18,15 @@ tensors (page stride unused) take the same code, with no copy. When K and V shar
 (every layout but a V allocated unlike K), ``SAME_KV_STRIDES`` computes the addresses once for
 both: a second address computation costs registers (spills on sm_90's 128-row tiles).
 
+Attention variants are constexpr flags, so plain attention compiles to the same code as before:
+``WINDOW`` (sliding window: each row's position and the tree keys' depths come from plan-time
+tables; keys below every row's window in a block are never loaded, and the window's ragged edge
+joins the masked loop), ``SOFTCAP`` (``c * tanh(s / c)`` through ``exp2``, then to log2 units),
+``SINKS`` (the online softmax starts from the sink, a key of value 0; split chunks leave it to the
+merge, so it counts once). V may have a head dim of its own (``V_HEAD_DIM``, ``BLOCK_DV``), and a
+q/k head dim over 256 (MLA's 576) is a power-of-two block plus a tail block (``BLOCK_DT``): two
+dots, rather than one padded to 1024.
+
 Launched through ``launch.py`` (whose ``*_launch`` functions hold every kernel's argument list,
 and which checks that triton was imported in the mode ``TRITON_INTERPRET`` asks for); ``aot.py``
 compiles them for sm_80/sm_90 without a GPU.
