@@ -527,6 +527,26 @@ def test_graph_envelope_rebinds_fixed_buffers():
         env.bind(paged_plan(make_batch([Request(chain(40))] * 2, h_q=4, h_kv=2, d=32, page_size=16)))
 
 
+def test_graph_envelope_with_variants():
+    """An envelope fixed to a window and a soft-cap (MLA-like V, a view of K's first dims), sinks at each run,
+    rebound to a second batch: positions and depths are refilled with the tables."""
+    env = GraphEnvelope(max_batch=4, max_tokens=32, max_qo_len=15, max_tree_nodes=40, max_pages=40,
+                        num_q_heads=4, num_kv_heads=1, head_dim=48, v_head_dim=32, dtype=torch.float32,
+                        device="cpu", sliding_window=20, logit_softcap=8.0)
+    sinks = sinks_for(4, 3)
+    for seed, reqs in enumerate([LONG[:3], [Request(binary(15), prefix=40), Request(chain(4), prefix=70, qo=2)]]):
+        b = make_batch(reqs, h_q=4, h_kv=1, d=48, seed=50 + seed, page_size=16)
+        k_pages = b.extra["kv_pages"][:, 0].transpose(1, 2).contiguous()
+        b.v = b.k[..., :32]
+        env.bind(paged_plan(b))
+        out, lse = outputs_for(b.q, 32)
+        env.run_paged(b.q, (k_pages, k_pages[..., :32]), out, lse, sinks=sinks)
+        assert_close_to_reference(out, lse, *ref(b, sliding_window=20, logit_softcap=8.0, sinks=sinks), torch.float32)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        GraphEnvelope(max_batch=1, max_tokens=1, max_qo_len=1, max_tree_nodes=1, num_q_heads=1, num_kv_heads=1,
+                      head_dim=16, dtype=torch.float32, device="cpu", sliding_window=0)
+
+
 def test_torch_library_ops_opcheck_and_compile():
     gen = torch.Generator().manual_seed(15)
     oa, ob = torch.randn(6, 2, 16, generator=gen), torch.randn(6, 2, 16, generator=gen)
@@ -542,6 +562,10 @@ def test_torch_library_ops_opcheck_and_compile():
             *state.op_args)
     torch.library.opcheck(torch.ops.treeattn.triton_tree_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    variants = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size, sliding_window=3, logit_softcap=5.0,
+                                          sinks=sinks_for(2, 4)), kv_chunk=0)
+    torch.library.opcheck(torch.ops.treeattn.triton_tree_attention.default,
+                          (*args[:7], sinks_for(2, 4), *variants.op_args), test_utils=("test_schema", "test_faketensor"))
     freqs, divide = ROPES[1].frequencies(16)
     torch.library.opcheck(torch.ops.treeattn.triton_rope.default,
                           (b.q, torch.arange(b.q.shape[0], dtype=torch.int32), freqs, torch.empty_like(b.q),
