@@ -21,8 +21,8 @@ from ...plan import TreeAttentionPlan
 from ..base import AttentionSpec
 from .tables import CountColumn, RequestColumn, WorkColumn
 
-MAX_HEAD_DIM = 576  # q/k: MLA's absorbed width (512 latent + 64 RoPE dims)
-MAX_V_HEAD_DIM = 512  # v: MLA's latent; a wider fp32 accumulator leaves no registers for the rest
+MAX_HEAD_DIM = 576  # q/k: MLA's absorbed width (512 latent + 64 RoPE dims), the widest compiled (aot.py)
+MAX_V_HEAD_DIM = 512  # v: MLA's latent, the widest V compiled and checked for spills (aot.py)
 MAX_SINGLE_BLOCK_DIM = 256  # head dims up to this take one padded block; wider ones a power of two plus a tail
 MIN_CHUNK = 256  # shortest KV chunk worth a split: below it, writing and merging partials costs more
 DEFAULT_SMS = 132  # H100/H200; used when no CUDA device answers (CPU interpreter runs)
