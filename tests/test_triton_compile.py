@@ -4,8 +4,10 @@ Compilation runs in a subprocess (``python -m treeattn.backends.triton.aot``) wi
 ``TRITON_INTERPRET`` removed: with it set, ``@triton.jit`` yields interpreted functions that
 ``triton.compile`` rejects ("'InterpretedFunction' object has no attribute 'cache_key'"), and
 test_triton_interpreter.py sets it for the whole pytest process. The default test compiles the
-CI subset (``aot.ci_variants``, 22 compiles, about a minute on 2 idle cores); the ``slow`` one
-compiles every variant the backend can select (252 compiles, several minutes).
+CI subset (``aot.ci_variants``, 30 compiles, about a minute and a half on 2 idle cores); the ``slow``
+one compiles every variant the backend can select (354 compiles, several minutes). Both include the
+attention variants' constexpr flags (sliding window, soft-cap, sinks, together at the largest tile)
+and MLA's head dims (K 576 as a 512 block plus a 64 tail, V a 512-dim view of K).
 
 Decision on fp32 inputs: their dots run as exact fp32 FMA (``input_precision="ieee"``), matching
 TVM's fp32 kernels to ~1e-6; TF32 would be faster but off by ~1e-3. So fp32 variants must show
@@ -25,6 +27,8 @@ import pytest
 # TRITON_INTERPRET, would fix triton in compiled mode for the whole process.
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
+
+from treeattn.backends.triton.aot import ALL_VARIANTS, MLA_DIMS  # imports no triton (see above)
 
 pytestmark = pytest.mark.triton
 
@@ -65,6 +69,12 @@ def test_ci_variants_compile_for_sm80_and_sm90(tmp_path):
     assert {r["arch"] for r in results} == {80, 90}
     assert {r["kernel"] for r in results} == {"attention", "merge_splits", "merge_state", "rope"}
     assert any(r["own_v_strides"] and r["kernel"] == "attention" for r in results)  # the general V path
+    attention = [r for r in results if r["kernel"] == "attention"]
+    for arch in (80, 90):  # the variants' flags and MLA's dims, with and without them, on both targets
+        assert any(set(r["variants"]) == set(ALL_VARIANTS) and r["head_dim"] == 128 for r in attention if r["arch"] == arch)
+        mla = [r for r in attention if r["arch"] == arch and (r["head_dim"], r["v_head_dim"]) == MLA_DIMS]
+        assert {bool(r["variants"]) for r in mla} == {False, True}
+        assert any(r["kernel"] == "merge_splits" and r["variants"] == ["sinks"] and r["arch"] == arch for r in results)
 
 
 @pytest.mark.slow

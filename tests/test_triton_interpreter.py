@@ -47,6 +47,7 @@ from tests.helpers import (  # noqa: E402
 from treeattn.backends import AttentionSpec, select  # noqa: E402
 from treeattn.backends.triton import GraphEnvelope, TritonBackend  # noqa: E402
 from treeattn.backends.triton.partition import cdiv, choose_tiles, partition_arrays, split_chunk  # noqa: E402
+from treeattn.backends.triton.tables import WorkColumn  # noqa: E402
 from treeattn.layout import PagedKV  # noqa: E402
 from treeattn.lse import EMPTY_LSE  # noqa: E402
 from treeattn.plan import TreeAttentionPlan  # noqa: E402
@@ -93,32 +94,38 @@ def paged_kv(b, layout: str = "TVM") -> PagedKV:
     return PagedKV.wrap(*as_layout(b.extra["kv_pages"], layout))
 
 
-def spec_of(q, h_kv: int, page_size=None) -> AttentionSpec:
-    return AttentionSpec(q.device, q.dtype, q.shape[1], h_kv, q.shape[2], q.shape[2], page_size)
+def spec_of(q, h_kv: int, page_size=None, *, v_head_dim=None, sinks=None, **variants) -> AttentionSpec:
+    """The spec of a call; ``variants``: ``sliding_window``/``logit_softcap`` values, ``sinks`` a tensor."""
+    return AttentionSpec(q.device, q.dtype, q.shape[1], h_kv, q.shape[2], v_head_dim or q.shape[2], page_size,
+                         sinks=sinks is not None, **variants)
 
 
-def check_ragged(b, *, kv_chunk=None, expect_split=None, sm_scale=None):
-    """Ragged tree attention through the backend (``kv_chunk`` forces the split) against the reference."""
+def check_ragged(b, *, kv_chunk=None, expect_split=None, sm_scale=None, **variants):
+    """Ragged tree attention through the backend (``kv_chunk`` forces the split; ``variants`` as the ops take
+    them) against the reference."""
     sm_scale = sm_scale or 1 / math.sqrt(b.q.shape[2])
     plan = ragged_plan(b)
-    state = BACKEND.plan(plan, spec_of(b.q, b.k.shape[1]), kv_chunk=kv_chunk)
+    state = BACKEND.plan(plan, spec_of(b.q, b.k.shape[1], v_head_dim=b.v.shape[2], **variants), kv_chunk=kv_chunk)
     if expect_split is not None:
         assert state.launch_merge == expect_split
-    out, lse = outputs_for(b.q)
-    BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=sm_scale, out=out, lse=lse)
-    assert_close_to_reference(out, lse, *ref(b, sm_scale=sm_scale), b.q.dtype)
+    out, lse = outputs_for(b.q, b.v.shape[2])
+    BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=sm_scale, out=out, lse=lse, sinks=variants.get("sinks"))
+    assert_close_to_reference(out, lse, *ref(b, sm_scale=sm_scale, **variants), b.q.dtype)
     return out, lse
 
 
-def check_paged(b, layout: str = "TVM", *, kv_chunk=None, expect_split=None):
-    kv = paged_kv(b, layout)
+def check_paged(b, layout: str = "TVM", *, kv_chunk=None, expect_split=None, kv=None, **variants):
+    """Paged tree attention over ``b``'s pages in ``layout`` (or over ``kv``) against the ragged reference."""
+    kv = kv or paged_kv(b, layout)
     plan = paged_plan(b)
-    state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=kv_chunk)
+    spec = spec_of(b.q, kv.num_kv_heads, kv.page_size, v_head_dim=kv.v_head_dim, **variants)
+    state = BACKEND.plan(plan, spec, kv_chunk=kv_chunk)
     if expect_split is not None:
         assert state.launch_merge == expect_split
-    out, lse = outputs_for(b.q)
-    BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=1 / math.sqrt(b.q.shape[2]), out=out, lse=lse)
-    assert_close_to_reference(out, lse, *ref(b), b.q.dtype)
+    out, lse = outputs_for(b.q, kv.v_head_dim)
+    BACKEND.paged_tree_attention(b.q, kv, plan, state, sm_scale=1 / math.sqrt(b.q.shape[2]), out=out, lse=lse,
+                                 sinks=variants.get("sinks"))
+    assert_close_to_reference(out, lse, *ref(b, **variants), b.q.dtype)
     return out, lse
 
 
@@ -281,6 +288,89 @@ def test_paged_run_allocates_no_cache_sized_tensor():
     assert_close_to_reference(out, lse, *ref(b, sm_scale=0.25), torch.float32)
 
 
+# ---------------------------------------------------------------- attention variants
+# (test_variants.py runs the whole variant grid on this backend too, when its process has the interpreter;
+# these add what only the Triton plan has: split KV, windows skipping tiles, MLA's two-part head dim)
+
+
+def sinks_for(h_q: int, seed: int, scale: float = 1.5) -> torch.Tensor:
+    return torch.randn(h_q, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+VARIANTS = {
+    "window 5": dict(sliding_window=5),
+    "window 70": dict(sliding_window=70),
+    "softcap 4": dict(logit_softcap=4.0),
+    "sinks": dict(sinks=sinks_for(4, 0)),
+    "all": dict(sliding_window=9, logit_softcap=20.0, sinks=sinks_for(4, 1, scale=4.0)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("split", [False, True])
+def test_ragged_variants_with_split_kv(variant, split):
+    """Split chunks and their merge: a window narrows the chunks, the sinks join the merge once."""
+    b = make_batch(LONG, h_q=4, h_kv=2, d=32, dtype=torch.float32, seed=40)
+    check_ragged(b, kv_chunk=16 if split else 0, expect_split=split, **VARIANTS[variant])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_variants_half_precision_own_v_strides(dtype):
+    """Every variant at once, in fp16/bf16, V strided unlike K, split (a window wider than a 64-key chunk)."""
+    b = make_batch(LONG, h_q=4, h_kv=2, d=64, dtype=dtype, seed=41, page_size=16)
+    check_paged(b, "own-strides", kv_chunk=64, expect_split=True, **dict(VARIANTS["all"], sliding_window=70))
+
+
+def test_a_window_skips_keys_outside_every_rows_window():
+    """Keys below every row's window are never read: the plan starts each request's work at its window, and
+    the kernel each block's. NaN in those keys would reach the output through ``p = 0`` times NaN if read."""
+    rng = np.random.default_rng(2)
+    reqs = [Request(random_tree(rng, 20), prefix=400), Request((), prefix=300, qo=2), Request(chain(6), prefix=3)]
+    b = make_batch(reqs, h_q=4, h_kv=2, d=16, dtype=torch.float32, seed=42)
+    window = 40
+    plan = ragged_plan(b)
+    for r in range(plan.batch_size):
+        first = max(int(plan.positions(r)[0].min()) - window + 1, 0)
+        start = int(plan.kv_starts[r])
+        b.k[start:start + first] = float("nan")
+        b.v[start:start + first] = float("nan")
+    for chunk in (0, 32, "kernel"):
+        state = BACKEND.plan(plan, spec_of(b.q, 2, sliding_window=window), kv_chunk=chunk if chunk != "kernel" else 0)
+        work = state.work.numpy()
+        assert work[work[:, 0] == 0, WorkColumn.KV_LO].min() == 400 - window + 1  # request 0's roots: position 400
+        if chunk == "kernel":  # the plan's narrowing undone: the kernel's own loop bounds skip those keys too
+            state.work[:, WorkColumn.KV_LO] = 0
+        out, lse = outputs_for(b.q)
+        BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=0.25, out=out, lse=lse)
+        assert_close_to_reference(out, lse, *ref(b, sm_scale=0.25, sliding_window=window), torch.float32)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+def test_mla_absorbed_form_split(paged):
+    """MLA: one KV head of 576 dims (two dots: 512 + 64), V a view of its first 512, every query head packed
+    on it; split KV with sinks and a window."""
+    d, d_v, h_q = 576, 512, 16
+    b = make_batch([Request(binary(7), prefix=70), Request(chain(3), prefix=20, qo=2)], h_q=h_q, h_kv=1, d=d,
+                   seed=43, page_size=16)
+    kw = dict(sliding_window=50, sinks=sinks_for(h_q, 2))
+    b.v = b.k[..., :d_v]
+    if paged:
+        k_pages = b.extra["kv_pages"][:, 0].transpose(1, 2).contiguous()  # [P, page_size, 1, 576]: K's pages
+        kv = PagedKV.wrap((k_pages, k_pages[..., :d_v]))
+        assert kv.v.data_ptr() == kv.k.data_ptr()
+        check_paged(b, kv=kv, kv_chunk=32, expect_split=True, **kw)
+    else:
+        check_ragged(b, kv_chunk=32, expect_split=True, **kw)
+
+
+def test_v_head_dim_of_its_own():
+    """V narrower and wider than K, as tensors of their own (not views)."""
+    for d_v in (24, 128):
+        b = make_batch(LONG[:3], h_q=6, h_kv=2, d=64, dtype=torch.float16, seed=44 + d_v)
+        b.v = torch.randn(b.k.shape[0], 2, d_v, generator=torch.Generator().manual_seed(d_v)).half()
+        check_ragged(b, kv_chunk=64, expect_split=True, logit_softcap=10.0)
+
+
 # ---------------------------------------------------------------- through the public ops
 
 
@@ -317,11 +407,12 @@ def test_unsupported_inputs_get_a_reason():
     spec = AttentionSpec(torch.device("cpu"), torch.float16, 4, 2, 64, 64, page_size=12)
     assert BACKEND.unsupported(spec) == "page size 12 is not a power of two"
     assert BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 4, 2, 64, 64, page_size=16)) is None
-    assert "head dim 272" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 272, 272))
-    assert "V head dim 32" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 64, 32))
+    assert "head dim 600" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 600, 512))
+    assert "V head dim 576" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 576, 576))
     assert "float64" in BACKEND.unsupported(AttentionSpec(torch.device("cpu"), torch.float64, 1, 1, 64, 64))
-    window = AttentionSpec(torch.device("cpu"), torch.float16, 1, 1, 64, 64, sliding_window=8, sinks=True)
-    assert "sliding_window, sinks" in BACKEND.unsupported(window)
+    mla = AttentionSpec(torch.device("cpu"), torch.float16, 16, 1, 576, 512, page_size=16, sliding_window=8,
+                        logit_softcap=30.0, sinks=True)
+    assert BACKEND.unsupported(mla) is None  # every variant, MLA's head dims
     assert BACKEND.unavailable() is None
 
 
@@ -436,6 +527,26 @@ def test_graph_envelope_rebinds_fixed_buffers():
         env.bind(paged_plan(make_batch([Request(chain(40))] * 2, h_q=4, h_kv=2, d=32, page_size=16)))
 
 
+def test_graph_envelope_with_variants():
+    """An envelope fixed to a window and a soft-cap (MLA-like V, a view of K's first dims), sinks at each run,
+    rebound to a second batch: positions and depths are refilled with the tables."""
+    env = GraphEnvelope(max_batch=4, max_tokens=32, max_qo_len=15, max_tree_nodes=40, max_pages=40,
+                        num_q_heads=4, num_kv_heads=1, head_dim=48, v_head_dim=32, dtype=torch.float32,
+                        device="cpu", sliding_window=20, logit_softcap=8.0)
+    sinks = sinks_for(4, 3)
+    for seed, reqs in enumerate([LONG[:3], [Request(binary(15), prefix=40), Request(chain(4), prefix=70, qo=2)]]):
+        b = make_batch(reqs, h_q=4, h_kv=1, d=48, seed=50 + seed, page_size=16)
+        k_pages = b.extra["kv_pages"][:, 0].transpose(1, 2).contiguous()
+        b.v = b.k[..., :32]
+        env.bind(paged_plan(b))
+        out, lse = outputs_for(b.q, 32)
+        env.run_paged(b.q, (k_pages, k_pages[..., :32]), out, lse, sinks=sinks)
+        assert_close_to_reference(out, lse, *ref(b, sliding_window=20, logit_softcap=8.0, sinks=sinks), torch.float32)
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        GraphEnvelope(max_batch=1, max_tokens=1, max_qo_len=1, max_tree_nodes=1, num_q_heads=1, num_kv_heads=1,
+                      head_dim=16, dtype=torch.float32, device="cpu", sliding_window=0)
+
+
 def test_torch_library_ops_opcheck_and_compile():
     gen = torch.Generator().manual_seed(15)
     oa, ob = torch.randn(6, 2, 16, generator=gen), torch.randn(6, 2, 16, generator=gen)
@@ -447,9 +558,14 @@ def test_torch_library_ops_opcheck_and_compile():
     kv = paged_kv(b, "views")
     plan = paged_plan(b)
     state = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size), kv_chunk=0)
-    args = (b.q, kv.k, kv.v, torch.empty_like(b.q), torch.empty(b.q.shape[:2]), 0.25, kv.page_size, *state.op_args)
+    args = (b.q, kv.k, kv.v, torch.empty_like(b.q), torch.empty(b.q.shape[:2]), 0.25, kv.page_size, None,
+            *state.op_args)
     torch.library.opcheck(torch.ops.treeattn.triton_tree_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    variants = BACKEND.plan(plan, spec_of(b.q, kv.num_kv_heads, kv.page_size, sliding_window=3, logit_softcap=5.0,
+                                          sinks=sinks_for(2, 4)), kv_chunk=0)
+    torch.library.opcheck(torch.ops.treeattn.triton_tree_attention.default,
+                          (*args[:7], sinks_for(2, 4), *variants.op_args), test_utils=("test_schema", "test_faketensor"))
     freqs, divide = ROPES[1].frequencies(16)
     torch.library.opcheck(torch.ops.treeattn.triton_rope.default,
                           (b.q, torch.arange(b.q.shape[0], dtype=torch.int32), freqs, torch.empty_like(b.q),

@@ -243,17 +243,28 @@ class TreeAttentionPlan:
         indptr = np.concatenate([self.tree_starts, [order.shape[0]]])
         return path_sums(order, indptr, np.ones(order.shape[0])).astype(np.int64) - 1
 
+    @cached_property
+    def row_positions(self) -> np.ndarray:
+        """Position of every query row, int64 ``[total_q]``: its node's ``prefix + depth``; without a tree,
+        the last key's ``kv_len - 1`` (the window's positions; ``positions`` states the whole rule)."""
+        req = np.repeat(np.arange(self.batch_size), self.qo_lens)
+        local = np.arange(req.shape[0]) - self.q_starts[req]  # q_indptr starts at 0: rows are contiguous
+        n, kv = self.tree_sizes[req], self.kv_lens[req]
+        pos = kv - 1
+        tree = n > 0
+        node = (self.tree_starts[req] + local + n - self.qo_lens[req])[tree]  # row r is node r + n - qo_len
+        pos[tree] = (kv - n)[tree] + self.node_depths[node]
+        return pos
+
     def positions(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Request ``b``'s positions (for sliding windows): ``(row positions [qo_len], key positions [kv_len])``.
         Prefix key ``j`` is at ``j``, tree node ``i`` at ``prefix + depth(i)``, a query row at its node's
         position; without a tree every row sits at the last key's position ``kv_len - 1``."""
-        qo, kv, n, start = (int(x[b]) for x in (self.qo_lens, self.kv_lens, self.tree_sizes, self.tree_starts))
-        prefix = kv - n
+        qs, qo, kv, n, start = (int(x[b]) for x in (self.q_starts, self.qo_lens, self.kv_lens, self.tree_sizes,
+                                                    self.tree_starts))
         keys = np.arange(kv, dtype=np.int64)
-        if n == 0:
-            return np.full(qo, kv - 1, dtype=np.int64), keys
-        keys[prefix:] = prefix + self.node_depths[start:start + n]
-        return keys[kv - qo:], keys
+        keys[kv - n:] = kv - n + self.node_depths[start:start + n]
+        return self.row_positions[qs:qs + qo], keys
 
     def same_q_and_kv_layout(self) -> bool:
         return self.kv_starts is not None and np.array_equal(self.q_starts, self.kv_starts) and np.array_equal(self.qo_lens, self.kv_lens)

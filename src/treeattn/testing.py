@@ -184,8 +184,10 @@ def poisoned(like: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
                       dtype=dtype or like.dtype, device=like.device)
 
 
-def outputs_for(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return poisoned(q), poisoned(q, q.shape[:2], torch.float32)
+def outputs_for(q: torch.Tensor, v_head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Poisoned ``out`` (``v_head_dim`` columns when V has a head dim of its own) and ``lse`` for ``q``."""
+    out_shape = q.shape if v_head_dim is None else (*q.shape[:2], v_head_dim)
+    return poisoned(q, out_shape), poisoned(q, q.shape[:2], torch.float32)
 
 
 # Tolerances against the float64 reference, by dtype: (output atol, output rtol).

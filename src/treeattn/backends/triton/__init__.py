@@ -20,7 +20,7 @@ from ...rope import RoPE
 from ..base import AttentionSpec, Backend
 from . import launch  # also registers the torch.ops.treeattn.triton_* ops
 from .envelope import GraphEnvelope
-from .partition import MAX_HEAD_DIM, WorkPartition, build_partition
+from .partition import MAX_HEAD_DIM, MAX_V_HEAD_DIM, WorkPartition, build_partition
 
 __all__ = ["GraphEnvelope", "TritonBackend"]
 
@@ -58,12 +58,10 @@ class TritonBackend(Backend):
             return f"dtype {spec.dtype} is not float16, bfloat16 or float32"
         if not 1 <= spec.head_dim <= MAX_HEAD_DIM:
             return f"head dim {spec.head_dim} is outside 1..{MAX_HEAD_DIM}"
-        if spec.v_head_dim != spec.head_dim:
-            return f"V head dim {spec.v_head_dim} differs from the Q/K head dim {spec.head_dim}"
+        if not 1 <= spec.v_head_dim <= MAX_V_HEAD_DIM:
+            return f"V head dim {spec.v_head_dim} is outside 1..{MAX_V_HEAD_DIM}"
         if spec.paged and spec.page_size & (spec.page_size - 1):
             return f"page size {spec.page_size} is not a power of two"
-        if spec.variants:
-            return f"attention variants are not implemented in the kernels yet ({', '.join(spec.variants)})"
         return None
 
     def plan(self, plan: TreeAttentionPlan, spec: AttentionSpec, *, kv_chunk: int | None = None) -> WorkPartition:
@@ -77,12 +75,14 @@ class TritonBackend(Backend):
         return out
 
     def tree_attention(self, q, k, v, plan: TreeAttentionPlan, state: WorkPartition, *, sm_scale: float,
-                       out: torch.Tensor, lse: torch.Tensor, sinks: None = None) -> None:
-        torch.ops.treeattn.triton_tree_attention(q, k, v, out, lse, sm_scale, 0, *state.op_args)
+                       out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+        torch.ops.treeattn.triton_tree_attention(q, k, v, out, lse, sm_scale, 0, sinks, *state.op_args)
 
     def paged_tree_attention(self, q, kv: PagedKV, plan: TreeAttentionPlan, state: WorkPartition, *,
-                             sm_scale: float, out: torch.Tensor, lse: torch.Tensor, sinks: None = None) -> None:
-        torch.ops.treeattn.triton_tree_attention(q, kv.k, kv.v, out, lse, sm_scale, kv.page_size, *state.op_args)
+                             sm_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                             sinks: torch.Tensor | None = None) -> None:
+        torch.ops.treeattn.triton_tree_attention(q, kv.k, kv.v, out, lse, sm_scale, kv.page_size, sinks,
+                                                 *state.op_args)
 
     def merge_state(self, out_a, lse_a, out_b, lse_b, *, out: torch.Tensor, lse: torch.Tensor) -> None:
         torch.ops.treeattn.triton_merge_state(out_a, lse_a, out_b, lse_b, out, lse)

@@ -34,6 +34,8 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}  # bytes per block
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 TRITON_TYPES = {**DTYPES, torch.int32: "i32"}  # pointee types of tensor arguments
 HEAD_DIMS = (64, 80, 128, 256)  # 80: the padded path (BLOCK_D 128)
+MLA_DIMS = (576, 512)  # MLA's absorbed form: K 512 latent + 64 RoPE dims (a main block and a tail), V the latent
+ALL_VARIANTS = ("sliding_window", "logit_softcap", "sinks")  # the attention variants' constexpr flags
 ROWS = (1, 16, 32, 64, 128, 1024)  # qo_len * group values that reach every BLOCK_M the backend picks
 
 
@@ -46,13 +48,17 @@ class Variant:
     tiles: TileConfig | None = None
     divide: bool = True  # rope: angle s / g (default/gptj/longrope) or s * g
     own_v_strides: bool = False  # attention: V strided unlike K (the general address path)
+    v_head_dim: int | None = None  # attention: V's own head dim, V a view of K's first dims (MLA); None: d
+    variants: tuple[str, ...] = ()  # attention: sliding_window, logit_softcap, sinks; merge_splits: sinks
 
     @property
     def name(self) -> str:
         t = self.tiles
         tiles = f"-m{t.block_m}n{t.block_n}w{t.num_warps}s{t.num_stages}" if t else ""
         extra = "-paged" if self.paged else ("-div" if self.kernel == "rope" and self.divide else "")
-        return f"{self.kernel}-{self.dtype}-d{self.head_dim}{tiles}{extra}{'-own-v' if self.own_v_strides else ''}"
+        dims = f"d{self.head_dim}" + (f"v{self.v_head_dim}" if self.v_head_dim else "")
+        flags = "".join(f"-{v}" for v in self.variants)
+        return f"{self.kernel}-{self.dtype}-{dims}{tiles}{extra}{'-own-v' if self.own_v_strides else ''}{flags}"
 
 
 def all_variants(arch: int) -> list[Variant]:
@@ -65,9 +71,19 @@ def all_variants(arch: int) -> list[Variant]:
                 out += [Variant("attention", name, d, paged, tiles) for paged in (False, True)]
             # V strided unlike K (its own address computation): at the largest, most register-hungry tile
             out += [Variant("attention", name, d, paged, tile_set[-1], own_v_strides=True) for paged in (False, True)]
-            out.append(Variant("merge_splits", name, d))
+            # every variant at once (the most registers) at the largest tile
+            out += [Variant("attention", name, d, paged, tile_set[-1], variants=ALL_VARIANTS) for paged in (False, True)]
+            out += [Variant("merge_splits", name, d, variants=flags) for flags in ((), ("sinks",))]
             out += [Variant("rope", name, d, divide=div) for div in (True, False)]
             out.append(Variant("merge_state", name, d))
+        d, d_v = MLA_DIMS
+        tile_set = sorted({choose_tiles(dtype, d, rows, v_head_dim=d_v, arch=arch) for rows in ROWS},
+                          key=lambda t: t.block_m)
+        for tiles in tile_set:
+            out += [Variant("attention", name, d, paged, tiles, v_head_dim=d_v) for paged in (False, True)]
+        out += [Variant("attention", name, d, paged, tile_set[-1], v_head_dim=d_v, variants=ALL_VARIANTS)
+                for paged in (False, True)]
+        out.append(Variant("merge_splits", name, d_v, variants=("sinks",)))
     return out
 
 
@@ -78,9 +94,11 @@ def ci_variants(arch: int) -> list[Variant]:
     kernel, fp32, and each small kernel."""
     every = all_variants(arch)
 
-    def pick(kernel, dtype, head_dim, paged=False, block_m=None, divide=True, own_v_strides=False):
-        found = [v for v in every if (v.kernel, v.dtype, v.head_dim, v.paged, v.divide, v.own_v_strides) ==
-                 (kernel, dtype, head_dim, paged, divide, own_v_strides)]
+    def pick(kernel, dtype, head_dim, paged=False, block_m=None, divide=True, own_v_strides=False, v_head_dim=None,
+             variants=()):
+        found = [v for v in every if (v.kernel, v.dtype, v.head_dim, v.paged, v.divide, v.own_v_strides,
+                                      v.v_head_dim, v.variants) ==
+                 (kernel, dtype, head_dim, paged, divide, own_v_strides, v_head_dim, variants)]
         if block_m == "max":
             return max(found, key=lambda v: v.tiles.block_m)
         if block_m == "min":
@@ -92,6 +110,12 @@ def ci_variants(arch: int) -> list[Variant]:
     chosen += [pick("attention", "fp16", 128, True, "min"), pick("attention", "fp16", 128, False, "max"),
                pick("attention", "fp32", 128, True, "max")]
     chosen += [pick("merge_splits", "bf16", 80), pick("merge_state", "fp16", 128), pick("rope", "bf16", 128)]
+    # the attention variants' flags together, and MLA's head dims (plain and with every variant)
+    d, d_v = MLA_DIMS
+    chosen += [pick("attention", "bf16", 128, True, "max", variants=ALL_VARIANTS),
+               pick("attention", "bf16", d, True, "max", v_head_dim=d_v),
+               pick("attention", "fp16", d, False, "max", v_head_dim=d_v, variants=ALL_VARIANTS),
+               pick("merge_splits", "bf16", d_v, variants=("sinks",))]
     return chosen
 
 
@@ -101,18 +125,25 @@ def _launch(v: Variant) -> Launch:
     x = lambda *shape: torch.empty(shape, dtype=dtype)
     i32, f32 = torch.empty(1, dtype=torch.int32), torch.empty(1, 1, dtype=torch.float32)
     d = v.head_dim
+    sinks = torch.empty(2, dtype=torch.float32) if "sinks" in v.variants else None
     if v.kernel == "attention":
         page_size = 16 if v.paged else 0
         shape = (2, page_size, 1, d) if v.paged else (2, 1, d)  # logical pages [P, page_size, h_kv, d] or ragged
-        if v.own_v_strides:  # K on its own, V a view of a bigger buffer
+        if v.v_head_dim:  # MLA: V a view of K's first dims
+            k = x(*shape)
+            v_ = k[..., :v.v_head_dim]
+        elif v.own_v_strides:  # K on its own, V a view of a bigger buffer
             k, v_ = x(*shape), x(shape[0], 3, *shape[1:])[:, 1]
         else:  # K and V as views of one engine buffer [P, 2, ...]
             k, v_ = x(shape[0], 2, *shape[1:]).unbind(1)
         q = x(2, 2, d)
-        return attention_launch(q, k, v_, q, f32, f32, f32, i32, i32, i32, i32, i32, sm_scale=1.0,
-                                page_size=page_size, tiles=v.tiles, grid_work=1)
+        out = x(2, 2, v_.shape[-1])
+        return attention_launch(q, k, v_, out, f32, f32, f32, i32, i32, i32, i32, i32, i32, i32, sinks, sm_scale=1.0,
+                                softcap=30.0 if "logit_softcap" in v.variants else 0.0,
+                                window=8 if "sliding_window" in v.variants else 0, page_size=page_size, tiles=v.tiles,
+                                grid_work=1)
     if v.kernel == "merge_splits":
-        return merge_splits_launch(x(2, 2, d), f32, f32, f32, i32, i32, i32, grid_tokens=1)
+        return merge_splits_launch(x(2, 2, d), f32, f32, f32, i32, i32, i32, sinks, grid_tokens=1)
     if v.kernel == "rope":
         return rope_launch(x(2, 2, d), i32, torch.empty(d), x(2, 2, d), scale=1.0, multiplier=1.0, divide=v.divide)
     return merge_state_launch(x(2, 2, d), f32, x(2, 2, d), f32, x(2, 2, d), f32)
@@ -168,7 +199,8 @@ def compile_variant(v: Variant, arch: int) -> dict:
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M)
     count = lambda op: sum(1 for o in ops if o == op)
     return {"variant": v.name, "arch": arch, "kernel": v.kernel, "dtype": v.dtype, "head_dim": v.head_dim,
-            "tiles": asdict(v.tiles) if v.tiles else None, "own_v_strides": v.own_v_strides, "shared": ck.metadata.shared,
+            "tiles": asdict(v.tiles) if v.tiles else None, "own_v_strides": v.own_v_strides,
+            "v_head_dim": v.v_head_dim or v.head_dim, "variants": list(v.variants), "shared": ck.metadata.shared,
             "max_shared": MAX_SHARED[arch], "spill_stores": count("STL"), "hmma": count("HMMA"),
             "hgmma": count("HGMMA"), "ffma": count("FFMA"), "instructions": len(ops), "seconds": round(seconds, 2)}
 

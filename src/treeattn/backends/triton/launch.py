@@ -80,34 +80,43 @@ class Launch(NamedTuple):
 
 
 def attention_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o_part: Tensor, lse_part: Tensor,
-                     requests: Tensor, work: Tensor, counts: Tensor, tree_order: Tensor, page_indices: Tensor, *,
-                     sm_scale: float, page_size: int, tiles: TileConfig, grid_work: int) -> Launch:
+                     requests: Tensor, work: Tensor, counts: Tensor, tree_order: Tensor, page_indices: Tensor,
+                     row_positions: Tensor, node_depths: Tensor, sinks: Tensor | None, *, sm_scale: float,
+                     softcap: float, window: int, page_size: int, tiles: TileConfig, grid_work: int) -> Launch:
     """``tree_attn_kernel`` over ``grid_work`` work items. ``k``/``v`` are ragged ``[L, h_kv, d]``
-    (``page_size`` 0) or logical pages ``[P, page_size, h_kv, d]`` (``PagedKV.k``/``.v``), any strides."""
+    (``page_size`` 0) or logical pages ``[P, page_size, h_kv, d]`` (``PagedKV.k``/``.v``), any strides; ``v``
+    may have a head dim of its own (and be a view of ``k``). ``softcap``/``window`` 0: not used."""
     if page_size:
         (kp, kt, kh), (vp, vt, vh) = PagedKV.strides(k), PagedKV.strides(v)
     else:
         (kp, kt, kh), (vp, vt, vh) = (0, k.stride(0), k.stride(1)), (0, v.stride(0), v.stride(1))
     num_q_heads, num_kv_heads = q.shape[1], k.shape[-2]
+    # Scores go to log2 units: s * log2(e); soft-capped, c * tanh(s / c) * log2(e) with s = dot * sm_scale.
+    qk_scale, cap_scale = (softcap * LOG2E, sm_scale / softcap) if softcap else (sm_scale * LOG2E, 1.0)
     args = dict(
         q_ptr=q, k_ptr=k, v_ptr=v, out_ptr=out, lse_ptr=lse, o_part_ptr=o_part, lse_part_ptr=lse_part,
         requests_ptr=requests, work_ptr=work, counts_ptr=counts, tree_order_ptr=tree_order,
-        page_indices_ptr=page_indices, qk_scale=sm_scale * LOG2E, stride_qt=q.stride(0), stride_qh=q.stride(1),
+        page_indices_ptr=page_indices, row_pos_ptr=row_positions, depth_ptr=node_depths,
+        sinks_ptr=lse if sinks is None else sinks,  # any fp32 pointer when unused
+        qk_scale=qk_scale, cap_scale=cap_scale, window=window, stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_kp=kp, stride_kt=kt, stride_kh=kh, stride_vp=vp, stride_vt=vt, stride_vh=vh,
         page_log2=page_size.bit_length() - 1 if page_size else 0, num_q_heads=num_q_heads,
         group=num_q_heads // num_kv_heads,
-        HEAD_DIM=q.shape[2], PAGED=bool(page_size), SAME_KV_STRIDES=(kp, kt, kh) == (vp, vt, vh),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, FP32_DOT=tiles.fp32_dot)
+        HEAD_DIM=q.shape[2], V_HEAD_DIM=v.shape[-1], PAGED=bool(page_size), SAME_KV_STRIDES=(kp, kt, kh) == (vp, vt, vh),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d, BLOCK_DT=tiles.block_dt,
+        BLOCK_DV=tiles.block_dv, FP32_DOT=tiles.fp32_dot, WINDOW=bool(window), SOFTCAP=bool(softcap),
+        SINKS=sinks is not None)
     return Launch("tree_attn_kernel", (grid_work, num_kv_heads), args, tiles.num_warps, tiles.num_stages)
 
 
 def merge_splits_launch(out: Tensor, lse: Tensor, o_part: Tensor, lse_part: Tensor, requests: Tensor,
-                        token_request: Tensor, counts: Tensor, *, grid_tokens: int) -> Launch:
-    """``merge_splits_kernel``: each split request's chunk states into ``out``/``lse``."""
+                        token_request: Tensor, counts: Tensor, sinks: Tensor | None, *, grid_tokens: int) -> Launch:
+    """``merge_splits_kernel``: each split request's chunk states (and the sinks, once) into ``out``/``lse``."""
     num_q_heads, head_dim = out.shape[1], out.shape[2]
     args = dict(out_ptr=out, lse_ptr=lse, o_part_ptr=o_part, lse_part_ptr=lse_part, requests_ptr=requests,
-                token_request_ptr=token_request, counts_ptr=counts, num_q_heads=num_q_heads,
-                HEAD_DIM=head_dim, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=padded_head_dim(head_dim))
+                token_request_ptr=token_request, counts_ptr=counts, sinks_ptr=lse if sinks is None else sinks,
+                num_q_heads=num_q_heads, HEAD_DIM=head_dim, BLOCK_H=MERGE_BLOCK_H, BLOCK_D=padded_head_dim(head_dim),
+                SINKS=sinks is not None)
     return Launch("merge_splits_kernel", (grid_tokens, cdiv(num_q_heads, MERGE_BLOCK_H)), args, SMALL_KERNEL_WARPS, 1)
 
 
@@ -138,23 +147,27 @@ def merge_state_launch(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tenso
 
 @torch.library.custom_op("treeattn::triton_tree_attention", mutates_args=("out", "lse"))
 def tree_attention(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sm_scale: float, page_size: int,
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, sm_scale: float, page_size: int, sinks: Tensor | None,
     requests: Tensor, work: Tensor, counts: Tensor, token_request: Tensor, tree_order: Tensor, page_indices: Tensor,
-    block_m: int, block_n: int, block_d: int, num_warps: int, num_stages: int, fp32_dot: bool, partial_rows: int,
-    grid_work: int, grid_tokens: int, launch_merge: bool,
+    row_positions: Tensor, node_depths: Tensor, window: int, softcap: float,
+    block_m: int, block_n: int, block_d: int, block_dt: int, block_dv: int, num_warps: int, num_stages: int,
+    fp32_dot: bool, partial_rows: int, grid_work: int, grid_tokens: int, launch_merge: bool,
 ) -> None:
-    """Tree attention over a work partition (its tables and sizes are ``WorkPartition.op_args``),
-    then the merge of split requests. ``k``/``v`` as in ``attention_launch``."""
+    """Tree attention over a work partition (its tables, sizes and variant values are
+    ``WorkPartition.op_args``), then the merge of split requests. ``k``/``v`` as in ``attention_launch``;
+    ``sinks`` float32 ``[h_q]`` or None."""
     if launch_merge:  # per run, not in the shared partition: concurrent runs must not share a workspace
-        o_part = torch.empty(partial_rows, q.shape[1], block_d, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(partial_rows, q.shape[1], block_dv, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(partial_rows, q.shape[1], dtype=torch.float32, device=q.device)
     else:
         o_part = lse_part = lse  # never written (no split item); the kernel just needs fp32 pointers
-    tiles = TileConfig(block_m, block_n, block_d, num_warps, num_stages, fp32_dot)
+    tiles = TileConfig(block_m, block_n, block_d, block_dt, block_dv, num_warps, num_stages, fp32_dot)
     attention_launch(q, k, v, out, lse, o_part, lse_part, requests, work, counts, tree_order, page_indices,
-                     sm_scale=sm_scale, page_size=page_size, tiles=tiles, grid_work=grid_work)()
+                     row_positions, node_depths, sinks, sm_scale=sm_scale, softcap=softcap, window=window,
+                     page_size=page_size, tiles=tiles, grid_work=grid_work)()
     if launch_merge:
-        merge_splits_launch(out, lse, o_part, lse_part, requests, token_request, counts, grid_tokens=grid_tokens)()
+        merge_splits_launch(out, lse, o_part, lse_part, requests, token_request, counts, sinks,
+                            grid_tokens=grid_tokens)()
 
 
 @tree_attention.register_fake

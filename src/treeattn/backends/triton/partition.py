@@ -21,7 +21,9 @@ from ...plan import TreeAttentionPlan
 from ..base import AttentionSpec
 from .tables import CountColumn, RequestColumn, WorkColumn
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 576  # q/k: MLA's absorbed width (512 latent + 64 RoPE dims), the widest compiled (aot.py)
+MAX_V_HEAD_DIM = 512  # v: MLA's latent, the widest V compiled and checked for spills (aot.py)
+MAX_SINGLE_BLOCK_DIM = 256  # head dims up to this take one padded block; wider ones a power of two plus a tail
 MIN_CHUNK = 256  # shortest KV chunk worth a split: below it, writing and merging partials costs more
 DEFAULT_SMS = 132  # H100/H200; used when no CUDA device answers (CPU interpreter runs)
 
@@ -30,7 +32,9 @@ DEFAULT_SMS = 132  # H100/H200; used when no CUDA device answers (CPU interprete
 class TileConfig:
     block_m: int  # GQA-packed query rows per program
     block_n: int  # keys per tile
-    block_d: int  # head dim padded to a power of two (>= 16, the smallest tl.dot size)
+    block_d: int  # q/k head dim padded to a power of two (>= 16, the smallest tl.dot size), or its main block
+    block_dt: int  # q/k dims past block_d, padded (0: none; see head_blocks)
+    block_dv: int  # v head dim padded
     num_warps: int
     num_stages: int
     fp32_dot: bool  # dots in fp32 "ieee" (fp32 inputs; bf16 under the interpreter, whose bf16 dot is wrong)
@@ -49,8 +53,17 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def choose_tiles(dtype: torch.dtype, head_dim: int, max_rows: int, *, arch: int = 90,
-                 interpret: bool = False) -> TileConfig:
+def head_blocks(head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_DT)`` for a q/k head dim: one padded block up to 256 dims; a wider one (MLA's
+    512 + 64) as its largest power of two plus a padded tail, two dots, rather than padding 576 to 1024."""
+    if head_dim <= MAX_SINGLE_BLOCK_DIM:
+        return padded_head_dim(head_dim), 0
+    main = 1 << (head_dim.bit_length() - 1)
+    return main, padded_head_dim(head_dim - main) if head_dim > main else 0
+
+
+def choose_tiles(dtype: torch.dtype, head_dim: int, max_rows: int, *, v_head_dim: int | None = None,
+                 arch: int = 90, interpret: bool = False) -> TileConfig:
     """Tiles for ``max_rows`` GQA-packed query rows per request (``qo_len * group``) on ``sm_{arch}``.
 
     ``BLOCK_M`` is the rows rounded up to a power of two (at least 16, the smallest ``tl.dot``),
@@ -63,27 +76,36 @@ def choose_tiles(dtype: torch.dtype, head_dim: int, max_rows: int, *, arch: int 
     - 128-row tiles only on sm_90 (where they run as warpgroup MMA): sm_80's 128-row tile spills.
     - fp16/bf16, d = 256: 32 rows, 32-key tiles, 4 warps.
     - fp32: exact fp32 FMA dots (see test_triton_compile.py), 16 x 16 tiles, 4 warps.
+    - V with a head dim of its own: the rules above for the wider of the two blocks.
+    - q/k or v wider than 256 (MLA: 576 = 512 + 64, V 512), fp16/bf16: 16 rows, 16-key tiles, 8 warps.
+      Wider key tiles or 4 warps spill on both archs; 32 rows spill on sm_80, and on sm_90 with sinks.
 
     Which of the spill-free choices is fastest needs a GPU: ``bench/gpu.py``.
     """
-    if head_dim < 1 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} is not supported by the triton backend (1..{MAX_HEAD_DIM})")
-    block_d = padded_head_dim(head_dim)
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if not 1 <= head_dim <= MAX_HEAD_DIM or not 1 <= v_head_dim <= MAX_V_HEAD_DIM:
+        raise ValueError(f"head dims {head_dim}/{v_head_dim} are not supported by the triton backend "
+                         f"(q/k 1..{MAX_HEAD_DIM}, v 1..{MAX_V_HEAD_DIM})")
+    block_d, block_dt = head_blocks(head_dim)
+    block_dv = padded_head_dim(v_head_dim)
+    widest = max(block_d + block_dt, block_dv)
     rows = max(16, next_pow2(max_rows))
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = 16, 16, 4, 2
-    elif block_d == 256:
+    elif widest > 256:
+        block_m, block_n, num_warps, num_stages = 16, 16, 8, 2
+    elif widest == 256:
         block_m, block_n, num_warps, num_stages = 32, 32, 4, 2
     else:
         block_m = min(rows, 128 if arch >= 90 else 64)
-        if block_d <= 64:
+        if widest <= 64:
             block_n, num_warps = 64, (8 if block_m == 128 else 4)
         elif block_m <= 32:
             block_n, num_warps = 32, 4
         else:
             block_n, num_warps = 64, 8
         num_stages = 3
-    return TileConfig(block_m, block_n, block_d, num_warps, num_stages,
+    return TileConfig(block_m, block_n, block_d, block_dt, block_dv, num_warps, num_stages,
                       fp32_dot=dtype == torch.float32 or (interpret and dtype == torch.bfloat16))
 
 
@@ -118,7 +140,7 @@ def split_chunk(rowblocks: np.ndarray, kv_lens: np.ndarray, num_kv_heads: int, b
 
 @dataclass(frozen=True)
 class WorkPartition:
-    """Device int32 tables the kernels read, plus the launch sizes; built once per plan."""
+    """Device int32 tables the kernels read, plus the launch sizes and variant values; built once per plan."""
 
     tiles: TileConfig
     requests: torch.Tensor  # [B, len(RequestColumn)]
@@ -127,19 +149,24 @@ class WorkPartition:
     token_request: torch.Tensor  # [grid_tokens]: request of each query token
     tree_order: torch.Tensor
     page_indices: torch.Tensor
+    row_positions: torch.Tensor  # [total_q]: each query row's position (sliding window only)
+    node_depths: torch.Tensor  # [N], in tree_order's rows: a tree key's position is prefix + depth (window only)
     partial_rows: int  # token rows of the fp32 split workspace a run allocates (0: nothing split)
     grid_work: int
     grid_tokens: int
     launch_merge: bool  # any split (always True in a graph envelope, whose contents change)
     chunk: int  # KV chunk length of split requests (0: none split)
+    window: int = 0  # sliding window (0: none)
+    softcap: float = 0.0  # logit soft-cap (0: none)
 
     @property
     def op_args(self) -> tuple:
         """The partition as the trailing arguments of ``torch.ops.treeattn.triton_tree_attention``."""
         t = self.tiles
         return (self.requests, self.work, self.counts, self.token_request, self.tree_order, self.page_indices,
-                t.block_m, t.block_n, t.block_d, t.num_warps, t.num_stages, t.fp32_dot, self.partial_rows,
-                self.grid_work, self.grid_tokens, self.launch_merge)
+                self.row_positions, self.node_depths, self.window, self.softcap,
+                t.block_m, t.block_n, t.block_d, t.block_dt, t.block_dv, t.num_warps, t.num_stages, t.fp32_dot,
+                self.partial_rows, self.grid_work, self.grid_tokens, self.launch_merge)
 
 
 def num_sms(device: torch.device) -> int:
@@ -148,12 +175,36 @@ def num_sms(device: torch.device) -> int:
     return DEFAULT_SMS
 
 
-def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chunk: int) -> dict[str, np.ndarray]:
-    """Host int32 tables for a given KV ``chunk`` (0: no split)."""
+def window_starts(plan: TreeAttentionPlan, window: int | None) -> np.ndarray:
+    """Per request, the first key that some row's window reaches (0 without a window): no row sees a key
+    before it, so none is read. A key's position is at most its index (a tree node sits at
+    ``prefix + depth``), so a window opening at position ``p`` leaves out every key below index ``p``."""
+    starts = np.zeros(plan.batch_size, np.int64)
+    if window is None or not plan.total_q:
+        return starts
+    rows = np.repeat(np.arange(plan.batch_size), plan.qo_lens)
+    lowest = np.full(plan.batch_size, np.iinfo(np.int64).max)
+    np.minimum.at(lowest, rows, plan.row_positions - (window - 1))
+    return np.where(plan.qo_lens > 0, np.maximum(lowest, 0), 0)
+
+
+def default_chunk(plan: TreeAttentionPlan, spec: AttentionSpec, tiles: TileConfig) -> int:
+    """``split_chunk`` for ``plan``: the keys a request reads are those from its window's start on."""
+    rowblocks = cdiv(plan.qo_lens.astype(np.int64) * spec.group, tiles.block_m)
+    spans = plan.kv_lens.astype(np.int64) - window_starts(plan, spec.sliding_window)
+    return split_chunk(rowblocks, spans, spec.num_kv_heads, tiles.block_n, num_sms(plan.device))
+
+
+def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chunk: int,
+                     window: int | None = None) -> dict[str, np.ndarray]:
+    """Host int32 tables for a given KV ``chunk`` (0: no split). With a ``window`` a request's work starts
+    at its ``window_starts`` key, and only what follows is cut into chunks."""
     qo, kv = plan.qo_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
+    first = window_starts(plan, window)
+    span = kv - first
     batch = qo.shape[0]
     rowblocks = cdiv(qo * group, tiles.block_m)
-    splits = np.where((kv > chunk) & (chunk > 0), cdiv(kv, max(chunk, 1)), 1)
+    splits = np.where((span > chunk) & (chunk > 0), cdiv(span, max(chunk, 1)), 1)
     is_split = (splits > 1) & (qo > 0)
     part_rows = np.where(is_split, splits * qo, 0)
 
@@ -174,7 +225,7 @@ def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chu
     work = np.zeros((req.shape[0], len(WorkColumn)), np.int64)
     work[:, WorkColumn.REQUEST] = req
     work[:, WorkColumn.FIRST_ROW] = block * tiles.block_m
-    work[:, WorkColumn.KV_LO] = np.where(is_split[req], split_idx * chunk, 0)
+    work[:, WorkColumn.KV_LO] = first[req] + np.where(is_split[req], split_idx * chunk, 0)
     work[:, WorkColumn.KV_HI] = np.where(is_split[req], np.minimum(work[:, WorkColumn.KV_LO] + chunk, kv[req]),
                                          kv[req])
     work[:, WorkColumn.SPLIT] = np.where(is_split[req], split_idx, -1)
@@ -197,28 +248,30 @@ def max_rows_per_request(plan: TreeAttentionPlan, group: int) -> int:
 
 def plan_tiles(spec: AttentionSpec, max_rows: int) -> TileConfig:
     """``choose_tiles`` for ``spec`` on its device (Hopper's tiles under the interpreter)."""
-    return choose_tiles(spec.dtype, spec.head_dim, max_rows, arch=device_arch(spec.device),
-                        interpret=spec.device.type == "cpu")
+    return choose_tiles(spec.dtype, spec.head_dim, max_rows, v_head_dim=spec.v_head_dim,
+                        arch=device_arch(spec.device), interpret=spec.device.type == "cpu")
 
 
 def build_partition(plan: TreeAttentionPlan, spec: AttentionSpec, *, kv_chunk: int | None = None,
                     tiles: TileConfig | None = None) -> WorkPartition:
-    """The work partition of ``plan`` for the heads, head dim and dtype of ``spec``.
+    """The work partition of ``plan`` for the heads, head dims, dtype and variants of ``spec``.
 
     ``kv_chunk`` overrides the split heuristic (0: never split; > 0: that chunk length, rounded
     up to a multiple of ``BLOCK_N``), mainly for tests; ``tiles`` overrides the tile choice.
     """
-    group, device = spec.group, plan.device
+    group, device, window = spec.group, plan.device, spec.sliding_window
     if tiles is None:
         tiles = plan_tiles(spec, max_rows_per_request(plan, group))
     if kv_chunk is None:
-        rowblocks = cdiv(plan.qo_lens.astype(np.int64) * group, tiles.block_m)
-        chunk = split_chunk(rowblocks, plan.kv_lens.astype(np.int64), spec.num_kv_heads, tiles.block_n,
-                            num_sms(device))
+        chunk = default_chunk(plan, spec, tiles)
     else:
         chunk = cdiv(int(kv_chunk), tiles.block_n) * tiles.block_n
-    host = partition_arrays(plan, group, tiles, chunk)
+    host = partition_arrays(plan, group, tiles, chunk, window)
     to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    positions = {"row_positions": None, "node_depths": None}
+    if window is not None:  # int32: positions are key indices or below
+        positions = {"row_positions": to_dev(plan.row_positions.astype(np.int32)),
+                     "node_depths": to_dev(plan.node_depths.astype(np.int32))}
     return WorkPartition(
         tiles=tiles,
         requests=to_dev(host["requests"]),
@@ -227,11 +280,14 @@ def build_partition(plan: TreeAttentionPlan, spec: AttentionSpec, *, kv_chunk: i
         token_request=to_dev(host["token_request"]),
         tree_order=_non_empty(plan.tree_order, device),
         page_indices=_non_empty(plan.page_indices, device),
+        **{name: _non_empty(table, device) for name, table in positions.items()},
         partial_rows=host["partial_rows"],
         grid_work=host["work"].shape[0],
         grid_tokens=host["token_request"].shape[0],
         launch_merge=host["any_split"],
         chunk=chunk if host["any_split"] else 0,
+        window=window or 0,
+        softcap=spec.logit_softcap or 0.0,
     )
 
 
