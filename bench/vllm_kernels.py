@@ -6,6 +6,7 @@ Needs the vLLM venv (``make test-vllm`` builds it). Shapes of SmolLM2 under vLLM
 (9 query / 3 KV heads, head dim 64, block size 128), one thread: decode of 1 and 16 requests at
 context 576 (the middle of ``bench/vllm_serving.py``'s decode) and a 512-token prefill. Also the
 builder's plan (``treeattn.vllm.batch.step_plan``), which vLLM's step pays once for all layers.
+treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
     q = torch.randn(requests * new, H_Q, D, dtype=dtype)
     out = torch.empty_like(q)
     ours = ms(lambda: paged_tree_attention(q, None, (k, v), None, None, None, None, None, kv_layout="HND",
-                                           sm_scale=D ** -0.5, plan=plan, out=out, backend="cpu"))
+                                           sm_scale=D ** -0.5, plan=plan, out=out))
     isa = _get_attn_isa(dtype, PAGE, D)
     qsl_t, seq_t, table_t = (torch.from_numpy(a).to(torch.int32) for a in (qsl, seq_lens, table))
     scheduler = ops.cpu_attn_get_scheduler_metadata(

@@ -172,10 +172,8 @@ class TreeProposer:
             if num_scheduled[b] != len(drafts) + 1:
                 raise RuntimeError(f"request {req_id}: {num_scheduled[b]} tokens scheduled with {len(drafts)} drafts; "
                                    "tree speculation expects the root and its drafts")
-            if tree is not None and tree.size > len(drafts) and tree.tokens[1:len(drafts) + 1].tolist() == drafts:
+            if tree is not None and tree.tokens[1:len(drafts) + 1].tolist() == drafts:
                 trees.append(_first_nodes(tree, len(drafts) + 1))
-            elif tree is not None and tree.tokens[1:].tolist() == drafts:
-                trees.append(tree)
             else:  # drafts not from this proposer (vLLM replaced them): verify them as the chain they are
                 trees.append(DraftTree([0, *drafts], np.arange(-1, len(drafts))))
         if all(t is None for t in trees):
@@ -205,14 +203,15 @@ def _verify(step: _Step, runner, logits: torch.Tensor, metadata):
 
     paths: list[list[int]] = [[0]] * len(trees)
     tokens: list[list[int] | None] = [None] * len(trees)
-    greedy = [b for b, p in enumerate(params) if p.temperature < _SAMPLING_EPS and plain_decoding_reason(p) is None]
+    trees_serve = [plain_decoding_reason(p) is None for p in params]
+    greedy = [b for b, p in enumerate(params) if p.temperature < _SAMPLING_EPS and trees_serve[b]]
     if greedy:
         rows = torch.cat([torch.arange(starts[b], starts[b] + trees[b].size) for b in greedy]).to(logits.device)
         result = verify_greedy([trees[b] for b in greedy], logits[rows].float())
         for b, path, emitted in zip(greedy, result.paths, result.tokens):
             paths[b], tokens[b] = path, emitted
     for b, p in enumerate(params):
-        if tokens[b] is None and plain_decoding_reason(p) is None:
+        if tokens[b] is None and trees_serve[b]:
             top_k = p.top_k if p.top_k > 0 else 0
             result = verify_sampling([trees[b]], logits[starts[b]:starts[b] + trees[b].size].float(),
                                      SamplingParams(p.temperature, top_k, p.top_p), sampling.generators.get(b))
