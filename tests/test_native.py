@@ -8,6 +8,7 @@ run compiles the extension (about 1-3 minutes on 2 cores; cached afterwards).
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -166,6 +167,33 @@ def test_unsupported_calls_give_reasons():
     assert "query heads per KV head" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 512, 1, 8, 8))
     assert "variants" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8, sinks=True))
     assert "not available" in NativeBackend(isa="avx9000").unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8))
+
+
+def test_build_cache_is_named_by_the_sources(tmp_path, monkeypatch):
+    """Two different kernels (checkouts, versions) get different build folders: neither rebuilds over the
+    other's cache."""
+    from treeattn.backends.native import build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, csrc)
+    monkeypatch.setattr(build, "CSRC", csrc)
+    first = build.default_build_directory()
+    assert first.startswith(str(tmp_path / "ext")) and first == build.default_build_directory()
+    (csrc / "kernel.hpp").write_text((csrc / "kernel.hpp").read_text() + "\n// changed\n")
+    assert build.default_build_directory() != first
+
+
+def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path, monkeypatch):
+    """PyTorch's build lock file, left by a build killed mid-way, must not make the next process wait forever."""
+    monkeypatch.setenv("CXX", "false")  # fails fast: the point is getting past the lock
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").touch()
+    extension = Extension(build_directory=str(build))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert "could not be built" in NativeBackend(extension=extension).unavailable()
+    assert not (build / "lock").exists()
 
 
 def test_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):

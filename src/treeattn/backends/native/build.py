@@ -1,10 +1,18 @@
 """Build and load the native kernel: compiled from ``csrc/`` by PyTorch's extension machinery on first
-use (cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when a source changes). A failed build is reported
-once as a warning and turns the backend unavailable, so dispatch falls back to the ``cpu`` backend."""
+use, cached under ``TORCH_EXTENSIONS_DIR`` in a folder named by a digest of the sources, flags and
+torch version (so two checkouts or versions of treeattn never rebuild over each other's cache, or
+wait on each other's build lock). Builds of one folder are serialised by an OS file lock, which
+dies with its process: PyTorch's own lock file, left behind by a build that was killed, would
+otherwise make every later process wait forever. A failed build is reported once as a warning
+and turns the backend unavailable, so dispatch falls back to the ``cpu`` backend."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
+import sys
 import threading
 import time
 import warnings
@@ -15,6 +23,28 @@ SOURCES = ("native.cpp", "kernel_generic.cpp", "kernel_avx2.cpp")
 # -fopenmp: at::parallel_for is an OpenMP region compiled into the extension; it links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one thread pool).
 FLAGS = ["-O3", "-fopenmp"]
+
+
+def default_build_directory() -> str:
+    """``<torch extensions root>/treeattn_native-<digest of csrc/, flags, torch version>``."""
+    import torch
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(f"{FLAGS} {torch.__version__}".encode())
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return os.path.join(root, f"treeattn_native-{digest.hexdigest()[:16]}")
+
+
+@contextlib.contextmanager
+def _exclusive(build_directory: str):
+    """Hold the folder's build lock; a PyTorch lock file found then is stale (its builder died)."""
+    with open(os.path.join(build_directory, "treeattn-build.lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the OS if this process dies
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(build_directory, "lock"))
+        yield
 
 
 class Extension:
@@ -48,11 +78,15 @@ class Extension:
 
         start = time.perf_counter()
         try:
-            if self.build_directory:
-                os.makedirs(self.build_directory, exist_ok=True)
-            self._module = cpp_extension.load(
-                name="treeattn_native", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=FLAGS,
-                extra_ldflags=["-fopenmp"], build_directory=self.build_directory, verbose=False)
+            build_directory = self.build_directory or default_build_directory()
+            os.makedirs(build_directory, exist_ok=True)
+            with _exclusive(build_directory):
+                if not any(name.endswith(".so") for name in os.listdir(build_directory)):
+                    print(f"treeattn: compiling the native CPU kernel into {build_directory} "
+                          "(first use only, about a minute)", file=sys.stderr, flush=True)
+                self._module = cpp_extension.load(
+                    name="treeattn_native", sources=[str(CSRC / s) for s in SOURCES], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=build_directory, verbose=False)
         except Exception as exc:  # a missing or failing compiler: the cpu backend runs instead
             lines = str(exc).strip().splitlines() or ["no detail"]
             detail = next((line.strip() for line in lines if "error" in line.lower()), lines[-1])
