@@ -35,25 +35,28 @@ class FixedChains:
         return out
 
 
-def measured(cost: CostModel, a: float, b: float, sizes=(1, 2, 4, 8, 16, 32), noise=0.0, seed=0):
+def measured(cost: CostModel, a: float, b: float, sizes=(1, 2, 4, 8, 16, 32), noise=0.0, seed=0, c: float = 0.0):
     rng = np.random.default_rng(seed)
     for n in sizes:
-        cost.add(n, a + b * n + noise * rng.standard_normal())
+        cost.add(n, a + b * n + c * (n > 1) + noise * rng.standard_normal())
     return cost
 
 
 def test_cost_model_fits_measured_times():
-    cost = measured(CostModel(forget=1.0), 0.05, 0.004, sizes=list(range(1, 33)) * 3, noise=0.001)
-    a, b = cost.coefficients
+    cost = measured(CostModel(forget=1.0), 0.05, 0.004, sizes=list(range(1, 33)) * 3, noise=0.001, c=0.02)
+    a, b, c = cost.coefficients
     assert a == pytest.approx(0.05, rel=0.05) and b == pytest.approx(0.004, rel=0.05)
-    assert cost.seconds(10) == pytest.approx(0.09, rel=0.03)
+    assert c == pytest.approx(0.02, rel=0.1)
+    assert cost.seconds(10) == pytest.approx(0.11, rel=0.03)
+    assert cost.seconds(10, drafted=False) == pytest.approx(0.09, rel=0.03)  # a batch of 10 plain decodes
+    assert cost.seconds(1) == pytest.approx(0.054, rel=0.03)
 
 
 def test_cost_model_follows_a_changing_machine():
     cost = measured(CostModel(forget=0.9), 0.05, 0.004, sizes=[1, 8, 16] * 10)
     measured(cost, 0.10, 0.010, sizes=[1, 8, 16] * 20)  # the machine got busier: recent steps win
-    a, b = cost.coefficients
-    assert a == pytest.approx(0.10, rel=0.05) and b == pytest.approx(0.010, rel=0.05)
+    a, b, c = cost.coefficients
+    assert a == pytest.approx(0.10, rel=0.05) and b == pytest.approx(0.010, rel=0.05) and c < 0.005
 
 
 def test_cost_model_slope_comes_from_the_prior_until_sizes_vary():
@@ -61,8 +64,9 @@ def test_cost_model_slope_comes_from_the_prior_until_sizes_vary():
     assert np.isnan(cost.coefficients[0])
     for _ in range(5):
         cost.add(1, 0.11)
-    a, b = cost.coefficients
+    a, b, c = cost.coefficients
     assert a + b == pytest.approx(0.11, rel=1e-3) and b == pytest.approx(0.1 * a, rel=1e-2)
+    assert c == pytest.approx(0.0, abs=1e-6)  # no drafting step seen: optimistic, so drafting gets tried
     with pytest.raises(ValueError, match="nodes"):
         cost.add(0, 0.1)
 
@@ -80,6 +84,32 @@ def test_drafts_when_nodes_are_cheap_and_likely():
     drafter = AdaptiveDrafter(FixedChains([5, 6, 7]), cost=measured(CostModel(forget=1.0), 0.05, 0.001))
     tree = drafter.propose([np.array([1, 2])])[0]
     assert tree.tokens.tolist() == [2, 5, 6, 7] and tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_never_drafts_when_the_gain_does_not_cover_the_price_of_drafting():
+    # Nodes are nearly free, but any drafting step costs 40% more than a plain one: one likely node
+    # (p = 0.3 per edge, chain of 3: expected 0.3 + 0.09 + 0.027 tokens) cannot pay for that.
+    cost = measured(CostModel(forget=1.0), 0.05, 0.0005, c=0.02)
+    drafter = AdaptiveDrafter(FixedChains([5, 6, 7], p=0.3), cost=cost)
+    drafter.calibrators[0].strength = 1e9  # trust the prior: the test is about the cut
+    assert drafter.propose([np.array([1])])[0].size == 1
+    likely = AdaptiveDrafter(FixedChains([5, 6, 7], p=0.9), cost=cost)
+    assert likely.propose([np.array([1])])[0].size == 4  # 2.4 expected tokens pay for it
+
+
+def test_drafting_steps_are_recorded_as_such():
+    drafter = AdaptiveDrafter(FixedChains([5, 6], p=0.9), cost=measured(CostModel(forget=1.0), 0.05, 0.001))
+    trees = drafter.propose([np.array([1]), np.array([2])])
+    assert sum(t.size for t in trees) > 2
+    before = drafter.cost._gram[2, 2]
+    drafter.observe([[5, 6, 0], [5, 6, 0]], 0.06)
+    assert drafter.cost._gram[2, 2] == pytest.approx(before + 1)
+    drafter.cost = measured(CostModel(forget=1.0), 0.001, 0.05)  # nodes dear: the next step is plain
+    trees = drafter.propose([np.array([1]), np.array([2])])
+    assert [t.size for t in trees] == [1, 1]
+    before = drafter.cost._gram.copy()
+    drafter.observe([[5], [5]], 0.05)  # a batch of two plain decodes: 2 nodes, not a drafting step
+    assert drafter.cost._gram[0, 1] == before[0, 1] + 2 and drafter.cost._gram[2, 2] == before[2, 2]
 
 
 def test_first_step_with_nothing_measured_is_a_plain_decode():
@@ -126,13 +156,13 @@ def test_sources_merge_by_path_with_the_best_probability():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=4),
-       st.floats(0.0, 1.0), st.floats(1e-4, 0.05), st.integers(1, 12))
-def test_adaptive_trees_are_valid_and_within_max_nodes(chains, p, per_node, max_nodes):
+       st.floats(0.0, 1.0), st.floats(1e-4, 0.05), st.integers(1, 12), st.sampled_from([0.0, 0.01, 0.05]))
+def test_adaptive_trees_are_valid_and_within_max_nodes(chains, p, per_node, max_nodes, jump):
     class Multi:
         def candidates(self, contexts, hidden=None):
             return [FixedChains(chains[b % len(chains)], p).candidates([c])[0] for b, c in enumerate(contexts)]
 
-    cost = measured(CostModel(forget=1.0), 0.05, per_node)
+    cost = measured(CostModel(forget=1.0), 0.05, per_node, c=jump)
     drafter = AdaptiveDrafter(Multi(), cost=cost, max_nodes=max_nodes)
     contexts = [np.array([b, 40 + b]) for b in range(3)]
     trees = drafter.propose(contexts)
@@ -143,7 +173,7 @@ def test_adaptive_trees_are_valid_and_within_max_nodes(chains, p, per_node, max_
     # The cut maximises expected tokens per second: brute force over every per-request depth.
     def rate(depths):
         gain = 3 + sum(p ** (d + 1) for k in depths for d in range(k))
-        return gain / cost.seconds(3 + sum(depths))
+        return gain / cost.seconds(3 + sum(depths), drafted=sum(depths) > 0)
 
     limits = [min(len(chains[b % len(chains)]), max_nodes - 1) for b in range(3)]
     best = max(rate((i, j, k)) for i in range(limits[0] + 1) for j in range(limits[1] + 1)
@@ -160,5 +190,7 @@ def test_arguments_are_checked():
         AdaptiveDrafter(FixedChains([1]), max_nodes=0)
     with pytest.raises(ValueError, match="forget"):
         CostModel(forget=0)
+    with pytest.raises(ValueError, match="seconds_to_draft"):
+        CostModel.fixed(0.05, 0.001, -0.01)
     with pytest.raises(ValueError, match="one entry per tree node"):
         Candidates(DraftTree.root_only(1), np.zeros(2), np.zeros(1))

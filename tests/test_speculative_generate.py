@@ -64,8 +64,8 @@ def test_generate_wraps_scoring_drafters_adaptively_and_learns(llama):  # noqa: 
     adaptive = AdaptiveDrafter(SuffixDrafter(16))
     generate(model, prompts, max_new_tokens=12, drafter=adaptive)
     assert adaptive.cost.steps > 0 and adaptive.calibrators[0].trials  # it measured and calibrated
-    a, b = adaptive.cost.coefficients
-    assert a >= 0 and b >= 0 and a + b > 0
+    a, b, c = adaptive.cost.coefficients
+    assert a >= 0 and b >= 0 and c >= 0 and a + b > 0
 
 
 def test_seeded_sampling_reproduces_with_a_fixed_cost_model(llama):  # noqa: F811

@@ -13,13 +13,13 @@ Three parts, one job each:
   the target distribution), so the label is an unbiased draw of the acceptance probability, even
   for nodes that were cut and for steps that drafted nothing (which would otherwise never learn).
 - ``CostModel``: the seconds one decoding step takes for ``n`` tree nodes in total (roots included,
-  the whole batch), ``a + b * n``, fitted by exponentially weighted least squares to the steps
+  the whole batch), ``a + b * n``, plus ``c`` when the step drafts anything, fitted by exponentially weighted least squares to the steps
   measured on the running machine, so it follows the current batch and context as they change.
 
 ``AdaptiveDrafter`` joins them: a node's probability of being accepted is the product of the
 calibrated edge probabilities along its path, the expected tokens of a step are ``B + sum(p)``
 (``B`` bonus tokens), and the nodes of all requests, best first, are cut at the count that maximises
-``(B + sum(p)) / (a + b * (B + k))``. When no node pays for its verification the step is a plain
+``(B + sum(p)) / (a + b * (B + k) + c * [k > 0])``. When no node pays for its verification the step is a plain
 decode: every tree is a lone root.
 """
 
@@ -29,7 +29,7 @@ import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ import torch
 from .verify import DraftTree
 
 __all__ = ["AdaptiveDrafter", "Calibrator", "Candidates", "CostModel", "LearningDrafter", "ScoringDrafter",
-           "grow", "probe_cost"]
+           "StepCost", "grow", "make_adaptive", "probe_cost"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,14 +149,28 @@ class Calibrator:
                 self.update(int(cands.keys[i]), hit)
 
 
-class CostModel:
-    """Step seconds for ``n`` tree nodes in total: ``a + b * n``, fitted to measured steps.
+class StepCost(NamedTuple):
+    """A step's seconds: ``per_step + per_node * nodes``, plus ``to_draft`` when it verifies any draft."""
 
-    Exponentially weighted least squares (``forget`` per step: recent steps count most, so the fit
-    follows the context length and the machine's load). Until steps of several sizes have been seen
-    the slope is pinned by a weak prior ``b = ratio * a`` (``ratio``: the cost of one extra node
-    relative to a one-node step; ``strength`` its weight relative to the data's).
-    ``CostModel.fixed(a, b)`` never learns: tree choices then depend on the text alone, which makes
+    per_step: float
+    per_node: float
+    to_draft: float
+
+
+class CostModel:
+    """Step seconds for ``n`` tree nodes in total: ``a + b * n``, plus ``c`` when the step drafts.
+
+    ``c`` is the price of verifying any draft at all, beyond its nodes: the few-row matmuls of a
+    2-4 token step run far below the speed of a one-token decode's (measured on SmolLM2, 1 core:
+    one node 50 ms, two 75 ms, sixteen 178 ms, so ``c`` is about a third of a plain step), and the
+    step takes the tree path (mask, commit). A model without it thinks a single likely node pays
+    when it does not, which is how prompts with nothing to look up ran slower than plain decoding.
+    Fitted by exponentially weighted least squares (``forget`` per step: recent steps count most,
+    so the fit follows the context length and the machine's load). Until steps of several sizes have
+    been seen the slope is pinned by a weak prior ``b = ratio * a`` (``ratio``: the cost of one extra
+    node relative to a one-node step; ``strength`` its weight relative to the data's), and ``c`` by
+    a weak prior ``c = 0`` (optimistic: the drafter tries drafting, and learns ``c`` from it).
+    ``CostModel.fixed(a, b, c)`` never learns: tree choices then depend on the text alone, which makes
     seeded sampling reproducible (measured times differ from run to run, and the tree decides which
     random draws verification makes).
     """
@@ -167,60 +181,66 @@ class CostModel:
         if not 0 < forget <= 1:
             raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.ratio, self.forget, self.strength = float(ratio), float(forget), float(strength)
-        self._gram = np.zeros((2, 2))
-        self._rhs = np.zeros(2)
+        self._gram = np.zeros((3, 3))
+        self._rhs = np.zeros(3)
         self.steps = 0
-        self._fixed: tuple[float, float] | None = None
+        self._fixed: StepCost | None = None
 
     @classmethod
-    def fixed(cls, seconds_per_step: float, seconds_per_node: float) -> CostModel:
-        """A cost model that does not learn: ``seconds_per_step + seconds_per_node * n``."""
-        if not (seconds_per_step >= 0 and seconds_per_node >= 0 and seconds_per_step + seconds_per_node > 0):
-            raise ValueError(f"seconds_per_step and seconds_per_node must be >= 0 and not both 0, "
-                             f"got {seconds_per_step} and {seconds_per_node}")
+    def fixed(cls, seconds_per_step: float, seconds_per_node: float, seconds_to_draft: float = 0.0) -> CostModel:
+        """A cost model that does not learn: ``seconds_per_step + seconds_per_node * n``, plus
+        ``seconds_to_draft`` for a step that drafts."""
+        values = (seconds_per_step, seconds_per_node, seconds_to_draft)
+        if not (min(values) >= 0 and seconds_per_step + seconds_per_node > 0):
+            raise ValueError(f"seconds_per_step, seconds_per_node and seconds_to_draft must be >= 0 and the first "
+                             f"two not both 0, got {values}")
         model = cls()
-        model._fixed = (float(seconds_per_step), float(seconds_per_node))
+        model._fixed = StepCost(*map(float, values))
         return model
 
-    def add(self, nodes: int, seconds: float) -> None:
+    def add(self, nodes: int, seconds: float, *, drafted: bool | None = None) -> None:
+        """Record a step of ``nodes`` tree nodes (roots included) that took ``seconds``; ``drafted``:
+        whether any tree had more than its root (default ``nodes > 1``, right for one request)."""
         if nodes < 1 or not seconds > 0:
             raise ValueError(f"a step has nodes >= 1 and seconds > 0, got {nodes} and {seconds}")
         if self._fixed is not None:
             return
-        x = np.array([1.0, float(nodes)])
+        x = np.array([1.0, float(nodes), float(nodes > 1 if drafted is None else drafted)])
         self._gram = self.forget * self._gram + np.outer(x, x)
         self._rhs = self.forget * self._rhs + x * seconds
         self.steps += 1
 
     @property
-    def coefficients(self) -> tuple[float, float]:
-        """``(a, b)``: seconds per step and per node; ``(nan, nan)`` before the first step."""
+    def coefficients(self) -> StepCost:
+        """``(per_step, per_node, to_draft)`` seconds; all nan before the first step."""
         if self._fixed is not None:
             return self._fixed
         if self.steps == 0:
-            return float("nan"), float("nan")
-        # The prior as a penalty strength * (b - ratio * a)^2, scaled by the data's weight so that
-        # it stays weak however many steps were seen: v = (-ratio, 1).
-        v = np.array([-self.ratio, 1.0])
-        gram = self._gram + self.strength * 1e-3 * self._gram[0, 0] * np.outer(v, v)
-        a, b = np.linalg.solve(gram, self._rhs)
-        if b < 0 or a < 0:  # noise can tilt the fit; time never falls as nodes are added
-            mean_n = self._gram[0, 1] / self._gram[0, 0]
-            mean_t = self._rhs[0] / self._gram[0, 0]
-            b = max(b, 0.0)
-            a = max(mean_t - b * mean_n, 0.0)
-        return float(a), float(b)
+            return StepCost(float("nan"), float("nan"), float("nan"))
+        # The priors as penalties strength * (b - ratio * a)^2 and strength * c^2, scaled by the
+        # data's weight so that they stay weak however many steps were seen.
+        weight = self.strength * 1e-3 * self._gram[0, 0]
+        slope, jump = np.array([-self.ratio, 1.0, 0.0]), np.array([0.0, 0.0, 1.0])
+        gram = self._gram + weight * (np.outer(slope, slope) + np.outer(jump, jump))
+        a, b, c = np.linalg.solve(gram, self._rhs)
+        if min(a, b, c) < 0:  # noise can tilt the fit; time never falls as nodes or drafts are added
+            b, c = max(b, 0.0), max(c, 0.0)
+            a = max((self._rhs[0] - b * self._gram[0, 1] - c * self._gram[0, 2]) / self._gram[0, 0], 0.0)
+        return StepCost(float(a), float(b), float(c))
 
-    def seconds(self, nodes) -> np.ndarray | float:
-        a, b = self.coefficients
-        return a + b * np.asarray(nodes, dtype=np.float64)
+    def seconds(self, nodes, drafted=None) -> np.ndarray | float:
+        """Predicted seconds of steps of ``nodes`` nodes; ``drafted`` as in ``add`` (default ``nodes > 1``)."""
+        a, b, c = self.coefficients
+        nodes = np.asarray(nodes, dtype=np.float64)
+        drafted = nodes > 1 if drafted is None else np.asarray(drafted, dtype=bool)
+        return a + b * nodes + c * drafted
 
 
-def probe_cost(model, cost: CostModel, sizes: Sequence[int] = (1, 4, 8, 16, 32), context: int = 64,
+def probe_cost(model, cost: CostModel, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32), context: int = 64,
                repeats: int = 2) -> CostModel:
     """Seed ``cost`` with timed forwards of chain trees of ``sizes`` nodes after a ``context``-token
     prompt (a scratch cache; a few hundred milliseconds for a 135M model on a CPU)."""
-    total = context + max(sizes) + 1
+    total = context + max(sizes) + repeats * len(sizes)  # each step keeps its root
     pages = -(-total // 16) + 1
     cache = model.new_cache(pages, page_size=16)
     cache.add_sequence(0)
@@ -228,13 +248,23 @@ def probe_cost(model, cost: CostModel, sizes: Sequence[int] = (1, 4, 8, 16, 32),
     model.forward(cache, [0], prompt, [context], logits_rows=torch.tensor([context - 1]))
     for _ in range(repeats):
         for n in sizes:
-            parents = np.arange(-1, n - 1, dtype=np.int64)
+            # n == 1 is a plain decode, as generate runs a step that drafts nothing (no tree, no commit)
+            parents = [np.arange(-1, n - 1, dtype=np.int64)] if n > 1 else None
             start = time.perf_counter()
-            out = model.forward(cache, [0], torch.zeros(n, dtype=torch.int64), [n], [parents])
+            out = model.forward(cache, [0], torch.zeros(n, dtype=torch.int64), [n], parents)
             out.logits.argmax(dim=-1)
-            cache.commit_accepted([0], [0])  # keep the root only: the context stays about the same
+            if parents is not None:
+                cache.commit_accepted([0], [0])  # keep the root only: the context stays about the same
             cost.add(n, time.perf_counter() - start)
     return cost
+
+
+def make_adaptive(drafter, *, max_nodes: int = 32):
+    """``drafter`` wrapped in an ``AdaptiveDrafter`` (trees of at most ``max_nodes``) when it scores its
+    candidates and does not learn by itself; any other drafter as it is."""
+    if isinstance(drafter, ScoringDrafter) and not isinstance(drafter, LearningDrafter):
+        return AdaptiveDrafter(drafter, max_nodes=max_nodes)
+    return drafter
 
 
 class AdaptiveDrafter:
@@ -262,6 +292,7 @@ class AdaptiveDrafter:
         self.calibrators = [Calibrator(calibration_strength) for _ in sources]
         self._pending: list[list[Candidates]] = []  # per source, the last step's candidates
         self._nodes = 0  # total nodes of the last step
+        self._drafted = False  # whether the last step drafted anything
 
     def __repr__(self) -> str:
         return f"AdaptiveDrafter({', '.join(map(repr, self.sources))}, max_nodes={self.max_nodes})"
@@ -276,6 +307,7 @@ class AdaptiveDrafter:
                   for b in range(len(contexts))]
         trees = self._cut(merged)
         self._nodes = sum(t.size for t in trees)
+        self._drafted = self._nodes > len(trees)
         return trees
 
     def observe(self, emitted: Sequence[Sequence[int]], seconds: float) -> None:
@@ -283,7 +315,7 @@ class AdaptiveDrafter:
             for c, tokens in zip(cands, emitted):
                 calibrator.learn(c, tokens)
         if self._nodes:
-            self.cost.add(self._nodes, seconds)
+            self.cost.add(self._nodes, seconds, drafted=self._drafted)
         self._pending, self._nodes = [], 0
 
     @staticmethod
@@ -328,7 +360,8 @@ class AdaptiveDrafter:
             rows.extend((-float(prob[i]), b, int(i)) for i in order)
         rows.sort()
         gain = batch + np.cumsum([0.0] + [-r[0] for r in rows])
-        rate = gain / self.cost.seconds(batch + np.arange(len(rows) + 1))
+        kept = np.arange(len(rows) + 1)
+        rate = gain / self.cost.seconds(batch + kept, drafted=kept > 0)
         keep = int(np.argmax(rate))  # argmax takes the first maximum: no drafts unless they pay
         chosen: list[list[int]] = [[] for _ in range(batch)]
         for _, b, i in rows[:keep]:

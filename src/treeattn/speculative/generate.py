@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..models.llama import LlamaTreeModel
-from .adaptive import AdaptiveDrafter, LearningDrafter, ScoringDrafter
+from .adaptive import LearningDrafter, make_adaptive
 from .drafters import Drafter
 from .verify import DraftTree, SamplingParams, verify
 
@@ -102,8 +102,8 @@ def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if drafter is not None and not isinstance(drafter, Drafter):
         raise TypeError("drafter must implement propose(contexts, hidden=None) -> list[DraftTree]")
-    if adaptive and isinstance(drafter, ScoringDrafter) and not isinstance(drafter, LearningDrafter):
-        drafter = AdaptiveDrafter(drafter)
+    if adaptive:
+        drafter = make_adaptive(drafter)
     learner = drafter if isinstance(drafter, LearningDrafter) else None
     stop = {int(t) for t in stop_tokens}
     batch = len(prompts)
