@@ -1,17 +1,20 @@
 """Speculation inside vLLM on the CPU: plain decoding vs vLLM's chain n-gram vs treeattn's trees, same run.
 
-    python bench/vllm_speculative.py [--max-tokens 96] [--out bench/results/vllm-speculative]
+    python bench/vllm_speculative.py [--max-tokens 96] [--repeats 2] [--out bench/results/vllm-speculative]
 
 Needs the vLLM venv (``make test-vllm`` builds it). SmolLM2-135M-Instruct (float32, converted to
 safetensors once) serves the demo's built-in prompts (they repeat their input: lookup drafters
 shine) and prompts with nothing to look up (``bench/speculative.py``'s), one request at a time,
 greedy, chat template, ``--max-tokens`` new tokens each (no stop token: every method emits the same
-count). Each method runs in its own engine process, one after the other:
+count). Each method runs in its own engine process, one after the other, ``--repeats`` times (every
+other round in reverse order, so load drifts hit all methods alike); a method's fastest round per
+prompt group is reported:
 
 - ``plain``: vLLM, its own attention (``CPU_ATTN``), no speculation;
 - ``chain ngram k``: vLLM's n-gram speculation, ``k`` draft tokens per step, its own attention;
 - ``tree N``: ``TREEATTN_VLLM=1`` with ``tree_speculative_config(nodes=N)`` (treeattn's n-gram tree
-  drafter, trees of up to ``N`` nodes verified with treeattn's attention).
+  drafter, adaptive: per step only the nodes expected to pay for their verification time, up to
+  ``N``, verified with treeattn's attention); ``tree N full``: the drafter's whole tree every step.
 
 Tokens per step = generated tokens / (generated - accepted), from vLLM's own speculative metrics
 (each model step of a request emits one token plus the drafts it accepted). Every output is checked
@@ -33,7 +36,7 @@ from speculative import NO_LOOKUP  # bench/speculative.py: prompts with nothing 
 from vllm_engines import engine_env, run_engine, write_results
 
 METHODS = {"plain": None, "chain ngram 5": {"chain": 5}, "chain ngram 15": {"chain": 15},
-           "tree 8": {"tree": 8}, "tree 16": {"tree": 16}}
+           "tree 16 full": {"tree": 16, "adaptive": False}, "tree 16": {"tree": 16}, "tree 32": {"tree": 32}}
 
 
 def serve(args, method: dict | None, prompts: dict[str, dict[str, list[int]]]) -> dict:
@@ -47,7 +50,7 @@ def serve(args, method: dict | None, prompts: dict[str, dict[str, list[int]]]) -
         spec = {"method": "ngram", "num_speculative_tokens": method["chain"], "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
     elif method:
-        spec = tree_speculative_config(nodes=method["tree"])
+        spec = tree_speculative_config(nodes=method["tree"], adaptive=method.get("adaptive", True))
     llm = LLM(model=args.model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
               disable_log_stats=False, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -76,7 +79,8 @@ def table(results: dict, args) -> str:
     lines = [f"# Speculation in vLLM {results['vllm']} on the CPU: SmolLM2-135M-Instruct (float32), "
              f"{args.max_tokens} new tokens per prompt, one request at a time",
              "", f"`python bench/vllm_speculative.py --max-tokens {args.max_tokens}`: {results['machine']}. "
-             "Engines run one after the other; load average after each prompt group in the last column.", ""]
+             f"Engines run one after the other, {args.repeats} round(s), the fastest kept; load average after each "
+             "prompt group in the last column.", ""]
     for group in ("built-in", "no lookup"):
         plain = results["methods"]["plain"][group]
         lines += [f"**{group}** ({', '.join(plain['tokens'])})", "",
@@ -101,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over all methods; the fastest is kept")
     parser.add_argument("--model", help="a SmolLM2 safetensors folder (default: converted into a temp folder)")
     parser.add_argument("--out", default="bench/results/vllm-speculative", help="writes OUT.json and OUT.md")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # internal: METHOD PROMPTS.json OUT.json
@@ -128,13 +133,18 @@ def main() -> None:
         results = {"vllm": vllm.__version__, "args": {k: v for k, v in vars(args).items() if k != "serve"},
                    "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                               f"load average before {os.getloadavg()[0]:.1f}", "methods": {}}
-        for name in args.methods:
-            out = Path(tmp) / "out.json"
-            tree = METHODS[name] is not None and "tree" in METHODS[name]
-            cmd = [sys.executable, __file__, "--max-tokens", str(args.max_tokens), "--model", args.model,
-                   "--serve", name, str(prompts_file), str(out)]
-            results["methods"][name] = run_engine(name, cmd, engine_env(tree, VLLM_ENABLE_V1_MULTIPROCESSING="0"),
-                                                  out)
+        rounds: dict[str, list[dict]] = {name: [] for name in args.methods}
+        for r in range(args.repeats):
+            for name in args.methods if r % 2 == 0 else args.methods[::-1]:
+                out = Path(tmp) / "out.json"
+                tree = METHODS[name] is not None and "tree" in METHODS[name]
+                cmd = [sys.executable, __file__, "--max-tokens", str(args.max_tokens), "--model", args.model,
+                       "--serve", name, str(prompts_file), str(out)]
+                rounds[name].append(run_engine(f"{name} (round {r + 1}/{args.repeats})", cmd,
+                                               engine_env(tree, VLLM_ENABLE_V1_MULTIPROCESSING="0"), out))
+        results["methods"] = {name: {group: min((run[group] for run in runs), key=lambda g: g["seconds"])
+                                     for group in runs[0]} for name, runs in rounds.items()}
+        results["rounds"] = rounds
     write_results(args.out, results, table(results, args))
 
 if __name__ == "__main__":  # vLLM starts engine processes with spawn

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from treeattn.speculative import DraftTree, NGramDrafter
+from treeattn.speculative.adaptive import AdaptiveDrafter
 from treeattn.vllm import tree_speculative_config
-from treeattn.vllm.speculative import DRAFTER_ENV_VAR, _Step, plain_decoding_reason
+from treeattn.vllm.speculative import DRAFTER_ENV_VAR, TreeProposer, _Step, plain_decoding_reason
 
 
 @pytest.fixture
@@ -22,14 +23,50 @@ def env(monkeypatch):
     return monkeypatch
 
 
+def _shipped():
+    import os
+
+    return pickle.loads(base64.b64decode(os.environ[DRAFTER_ENV_VAR]))
+
+
 def test_config_names_the_proposer_and_ships_the_drafter(env):
     config = tree_speculative_config(nodes=10)
     assert config == {"method": "custom_class", "model": "treeattn.vllm.speculative.TreeProposer",
                       "num_speculative_tokens": 9}
-    import os
+    drafter = _shipped()  # adaptive by default: trees cut to what pays, within the node budget
+    assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 10
+    assert isinstance(drafter.sources[0], NGramDrafter) and drafter.sources[0].budget == 10
+    tree_speculative_config(nodes=10, adaptive=False)
+    assert isinstance(_shipped(), NGramDrafter)
 
-    drafter = pickle.loads(base64.b64decode(os.environ[DRAFTER_ENV_VAR]))
-    assert isinstance(drafter, NGramDrafter) and drafter.budget == 10
+
+class _Recorder:
+    """A learning drafter that drafts a fixed chain and records what it is told."""
+
+    def __init__(self):
+        self.observed = []
+
+    def propose(self, contexts, hidden=None):
+        return [DraftTree([int(c[-1]), 1, 2], [-1, 0, 1]) for c in contexts]
+
+    def observe(self, emitted, seconds):
+        self.observed.append((emitted, seconds))
+
+
+def test_a_learning_drafter_hears_each_request_outcome_by_request_id():
+    proposer = TreeProposer.__new__(TreeProposer)  # no vLLM here: the proposer's own bookkeeping only
+    drafter = _Recorder()
+    proposer._setup(drafter, nodes=3)
+    tokens = np.arange(40).reshape(4, 10)
+    proposer._rows = [("a", False), ("b", True), ("c", False)]  # b decodes plainly
+    drafts = proposer.propose([[9], [9], [9]], np.array([5, 5, 5]), tokens)
+    assert drafts == [[1, 2], [], [1, 2]] and drafter.observed == []
+    # Next step: the batch was reordered, c emitted two tokens, a finished (gone), d is new.
+    proposer._rows = [("c", False), ("d", False)]
+    proposer.propose([[1, 2, 7], [3]], np.array([6, 6]), tokens)
+    (emitted, seconds), = drafter.observed
+    assert emitted == [[], [1, 2, 7]] and seconds > 0  # in the order of the last proposal: a, c
+    assert proposer._proposed == ["c", "d"]
 
 
 class _Unpicklable:

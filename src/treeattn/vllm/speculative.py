@@ -34,12 +34,14 @@ import base64
 import functools
 import os
 import pickle
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..speculative import Drafter, DraftTree, NGramDrafter, SamplingParams, verify_greedy, verify_sampling
+from ..speculative.adaptive import LearningDrafter, make_adaptive
 from . import ENV_VAR, enabled
 from .batch import move_tokens
 
@@ -51,19 +53,26 @@ DRAFTER_ENV_VAR = "TREEATTN_VLLM_DRAFTER"  # the pickled drafter, for vLLM's wor
 _SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
-def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | None = None) -> dict:
+def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | None = None, adaptive: bool = True) -> dict:
     """The ``speculative_config`` that makes ``vllm.LLM`` verify token trees (needs ``TREEATTN_VLLM=1``).
 
     ``nodes``: the most tree nodes per request and step, root included (vLLM reserves ``nodes - 1``
     draft slots per request). ``drafter``: any treeattn ``Drafter`` (default ``NGramDrafter(nodes)``);
     it must pickle, since it reaches vLLM's worker processes through the environment
     (``TREEATTN_VLLM_DRAFTER``), and a tree larger than ``nodes`` is cut to its first ``nodes``.
+    With ``adaptive`` (the default) a drafter that scores its candidates (n-gram, suffix, heads) is
+    wrapped in an ``AdaptiveDrafter``: each step verifies only the nodes expected to pay for their
+    verification time on the running engine (learnt from its step times and what it accepted), and
+    a request whose draft would not pay decodes plainly. A ``LearningDrafter`` (an
+    ``AdaptiveDrafter`` you built) is told every step's emitted tokens and time.
     """
     if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 2:
         raise ValueError(f"nodes must be an integer >= 2 (the root and at least one draft), got {nodes!r}")
     drafter = NGramDrafter(int(nodes)) if drafter is None else drafter
     if not isinstance(drafter, Drafter):
         raise TypeError(f"drafter must be a treeattn Drafter (with propose(contexts)), got {type(drafter).__name__}")
+    if adaptive:
+        drafter = make_adaptive(drafter, max_nodes=int(nodes))
     try:
         os.environ[DRAFTER_ENV_VAR] = base64.b64encode(pickle.dumps(drafter)).decode()
     except Exception as exc:  # pickling can fail in many ways; all mean the same to the caller
@@ -135,11 +144,18 @@ class TreeProposer:
         if not encoded:
             raise RuntimeError(f"{DRAFTER_ENV_VAR} is not set: build the speculative_config with "
                                "treeattn.vllm.speculative.tree_speculative_config(...)")
-        self.drafter: Drafter = pickle.loads(base64.b64decode(encoded))
-        self.nodes = vllm_config.speculative_config.num_speculative_tokens + 1
+        self._setup(pickle.loads(base64.b64decode(encoded)), vllm_config.speculative_config.num_speculative_tokens + 1)
+        _install_runner_hooks()
+
+    def _setup(self, drafter: Drafter, nodes: int) -> None:
+        self.drafter, self.nodes = drafter, nodes
         self.trees: dict[str, DraftTree] = {}  # each request's last proposal, by request id
         self._rows: list[tuple[str, bool]] | None = None  # (request id, decodes plainly) of the batch
-        _install_runner_hooks()
+        # A learning drafter hears, at the next proposal, what its last one gave: the tokens each of
+        # its requests emitted and the time since (the engine step that verified it).
+        self._learner = drafter if isinstance(drafter, LearningDrafter) else None
+        self._proposed: list[str] = []  # request ids of the last proposal, in the drafter's order
+        self._proposed_at = 0.0
 
     def load_model(self, target_model) -> None:
         """vLLM's CPU runner hands every drafter the target model; treeattn's drafters need none."""
@@ -149,6 +165,9 @@ class TreeProposer:
         """Draft tokens per batch row (nodes after the root, parents first); remembers each tree."""
         if self._rows is None or len(self._rows) < len(sampled_token_ids):
             raise RuntimeError("TreeProposer.propose ran outside vLLM's runner hooks")
+        if self._learner is not None and self._proposed:
+            emitted = {self._rows[i][0]: list(sampled) for i, sampled in enumerate(sampled_token_ids)}
+            self._learner.observe([emitted.get(r, []) for r in self._proposed], time.perf_counter() - self._proposed_at)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled and not self._rows[i][1]]
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in rows]
@@ -156,6 +175,7 @@ class TreeProposer:
             tree = _first_nodes(tree, self.nodes)
             self.trees[self._rows[i][0]] = tree
             drafts[i] = tree.tokens[1:].tolist()
+        self._proposed, self._proposed_at = [self._rows[i][0] for i in rows], time.perf_counter()
         self._rows = None
         return drafts
 
