@@ -164,7 +164,9 @@ def test_unsupported_calls_give_reasons():
     assert "CPU" in backend.unsupported(AttentionSpec(torch.device("meta"), torch.float32, 4, 2, 64, 64))
     assert "float32" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float64, 4, 2, 64, 64))
     assert "query heads per KV head" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 512, 1, 8, 8))
-    assert "variants" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8, sinks=True))
+    # every variant runs in the kernel (tests/test_native_variants.py), MLA's head dims and groups too
+    assert backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 128, 1, 576, 512, sliding_window=8,
+                                             logit_softcap=30.0, sinks=True)) is None
     assert "not available" in NativeBackend(isa="avx9000").unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8))
 
 
