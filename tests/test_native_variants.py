@@ -115,13 +115,14 @@ def test_a_window_skips_the_keys_outside_it():
 @pytest.mark.parametrize("group", [16, 128])
 def test_mla_absorbed_form(isa, paged, group):
     """One latent KV head of 512 + 64 dims, V the first 512 dims of the same tensor (a view, read from the K
-    tile), every query head packed on it; soft-cap and sinks on top at group 16."""
+    tile), every query head packed on it; soft-cap and sinks on top at group 16, and at group 128 (two tokens per
+    work item) a window whose start differs between the items."""
     d_k, d_v = 576, 512
     batch = make_batch([Request(binary(7), prefix=70), Request(chain(3), prefix=33, qo=2)], h_q=group, h_kv=1, d=d_k,
                        seed=group, page_size=16)
     batch.v = batch.k[..., :d_v]
     assert batch.v.data_ptr() == batch.k.data_ptr() and not batch.v.is_contiguous()
-    kw = dict(logit_softcap=30.0, sinks=_sinks(group, 1.0, 5)) if group == 16 else {}
+    kw = dict(logit_softcap=30.0, sinks=_sinks(group, 1.0, 5)) if group == 16 else dict(sliding_window=40)
     kv = None
     if paged:
         k_pages = batch.extra["kv_pages"][:, 0].transpose(1, 2).contiguous()  # [pages, page, 1, 576]
