@@ -30,33 +30,39 @@ ISAS = NativeBackend().isas() if EXTENSION.failure() is None else []
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def spec_of(batch, page_size=None) -> AttentionSpec:
+def spec_of(batch, page_size=None, sliding_window=None, logit_softcap=None, sinks=None) -> AttentionSpec:
     return AttentionSpec(torch.device("cpu"), batch.q.dtype, batch.q.shape[1], batch.k.shape[1], batch.q.shape[2],
-                         batch.v.shape[2], page_size=page_size)
+                         batch.v.shape[2], page_size=page_size, sliding_window=sliding_window,
+                         logit_softcap=logit_softcap, sinks=sinks is not None)
 
 
-def native(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125):
-    """Run one forced kernel path directly (no ops dispatch) into poisoned buffers."""
+def native(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, **variants):
+    """Run one forced kernel path directly (no ops dispatch) into poisoned buffers; ``variants``: the
+    ``sliding_window``, ``logit_softcap`` and ``sinks`` keywords of the ops. V's head dim is ``batch.v``'s."""
     backend = NativeBackend(isa=isa)
-    out, lse = outputs_for(batch.q)
+    out, lse = outputs_for(batch.q, batch.v.shape[2])
+    sinks = variants.get("sinks")
     if kv is None:
         plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
-        spec = spec_of(batch)
+        spec = spec_of(batch, **variants)
         assert backend.unsupported(spec) is None
         backend.tree_attention(batch.q, batch.k, batch.v, plan, backend.plan(plan, spec), sm_scale=sm_scale,
-                               out=out, lse=lse)
+                               out=out, lse=lse, sinks=sinks)
     else:
         e = batch.extra
         plan = TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
                                        batch.tree_indptr, batch.tree_order, page_size=kv.page_size,
                                        num_pages=kv.num_pages)
-        spec = spec_of(batch, kv.page_size)
-        backend.paged_tree_attention(batch.q, kv, plan, backend.plan(plan, spec), sm_scale=sm_scale, out=out, lse=lse)
+        spec = spec_of(batch, kv.page_size, **variants)
+        backend.paged_tree_attention(batch.q, kv, plan, backend.plan(plan, spec), sm_scale=sm_scale, out=out, lse=lse,
+                                     sinks=sinks)
     return out, lse
 
 
-def reference(batch, sm_scale: float = 0.125):
-    return treeattn.tree_attention(*batch.ragged_args(), sm_scale=sm_scale, backend="reference")
+def reference(batch, sm_scale: float = 0.125, **variants):
+    q, q_indptr, k, v, *rest = batch.ragged_args()
+    return treeattn.tree_attention(q, q_indptr, k, v.contiguous(), *rest, sm_scale=sm_scale, backend="reference",
+                                   **variants)
 
 
 def layouts(batch) -> dict[str, PagedKV]:
@@ -165,7 +171,9 @@ def test_unsupported_calls_give_reasons():
     assert "CPU" in backend.unsupported(AttentionSpec(torch.device("meta"), torch.float32, 4, 2, 64, 64))
     assert "float32" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float64, 4, 2, 64, 64))
     assert "query heads per KV head" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 512, 1, 8, 8))
-    assert "variants" in backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8, sinks=True))
+    # every variant runs in the kernel (tests/test_native_variants.py), MLA's head dims and groups too
+    assert backend.unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 128, 1, 576, 512, sliding_window=8,
+                                             logit_softcap=30.0, sinks=True)) is None
     assert "not available" in NativeBackend(isa="avx9000").unsupported(AttentionSpec(torch.device("cpu"), torch.float32, 4, 2, 8, 8))
 
 

@@ -22,6 +22,8 @@ struct V {
   static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
   static inline T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static inline T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static inline T min(T a, T b) { return _mm256_min_ps(a, b); }
+  static inline T div(T a, T b) { return _mm256_div_ps(a, b); }
   static inline T band(T a, T b) { return _mm256_and_ps(a, b); }
   static inline T eq(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }

@@ -38,6 +38,8 @@ struct V {
   TREEATTN_LANEWISE(add, a.x[i] + b.x[i])
   TREEATTN_LANEWISE(sub, a.x[i] - b.x[i])
   TREEATTN_LANEWISE(max, a.x[i] > b.x[i] ? a.x[i] : b.x[i])  // b when either is NaN, like maxps
+  TREEATTN_LANEWISE(min, a.x[i] < b.x[i] ? a.x[i] : b.x[i])  // b when either is NaN, like minps
+  TREEATTN_LANEWISE(div, a.x[i] / b.x[i])
   TREEATTN_LANEWISE(band, from(bits(a.x[i]) & bits(b.x[i])))
   TREEATTN_LANEWISE(eq, from(a.x[i] == b.x[i] ? 0xffffffffu : 0u))
 #undef TREEATTN_LANEWISE

@@ -86,9 +86,10 @@ void store_value(const Problem& p, int64_t i, float x) {
   else store<at::Half>(p.out, i, x);
 }
 
-// One (request, KV head, row block) and its chunks of keys: items [first, first + count).
+// One (request, KV head, row block) and its chunks of keys [lo, kv_len) (lo > 0: keys below every row's
+// window are never read): items [first, first + count).
 struct Group {
-  int64_t b, h, t0, t1, first, count;
+  int64_t b, h, t0, t1, lo, first, count;
   float* part_o;  // [count][rows][dv] partial outputs, then [count][rows] LSEs; null when count == 1
 };
 
@@ -97,12 +98,13 @@ struct Group {
 inline bool is_empty(float lse) { return lse == EMPTY_LSE || lse == -INFINITY; }
 
 // Softmax weights 2^(lse_c - max) of `count` parts (stride apart) into `w`, normalised; returns the
-// merged LSE (EMPTY_LSE, all weights 0, when every part is empty). This is treeattn.lse.merge.
-inline float merge_weights(const float* lses, int64_t stride, int64_t count, float* w) {
-  float top = -INFINITY;
+// merged LSE (EMPTY_LSE, all weights 0, when every part is empty). This is treeattn.lse.merge. A sink
+// (base-2 logit `sink`; -inf: none) is one more part, of value 0: it takes weight, and gives none to `w`.
+inline float merge_weights(const float* lses, int64_t stride, int64_t count, float* w, float sink = -INFINITY) {
+  float top = sink;
   for (int64_t c = 0; c < count; ++c)
     if (!is_empty(lses[c * stride])) top = std::max(top, lses[c * stride]);
-  float total = 0.0f;
+  float total = sink == -INFINITY ? 0.0f : std::exp2(sink - top);
   for (int64_t c = 0; c < count; ++c) {
     w[c] = is_empty(lses[c * stride]) ? 0.0f : std::exp2(lses[c * stride] - top);
     total += w[c];
@@ -112,14 +114,14 @@ inline float merge_weights(const float* lses, int64_t stride, int64_t count, flo
   return top + std::log2(total);
 }
 
-// Merge a split group's partial results into out/lse.
+// Merge a split group's partial results into out/lse, adding the sinks (no chunk counted them).
 void merge_group(const Problem& p, const Group& g, std::vector<float>& w) {
   const int64_t rows = (g.t1 - g.t0) * p.group, dv = p.dv;
   const float* lses = g.part_o + g.count * rows * dv;
   w.resize(size_t(g.count));
   for (int64_t r = 0; r < rows; ++r) {
-    const float lse = merge_weights(lses + r, rows, g.count, w.data());
     const int64_t t = p.q_starts[g.b] + g.t0 + r / p.group, head = g.h * p.group + r % p.group;
+    const float lse = merge_weights(lses + r, rows, g.count, w.data(), p.sinks2 ? p.sinks2[head] : -INFINITY);
     const int64_t off = t * p.o_row + head * p.o_head;
     for (int64_t e = 0; e < dv; ++e) {
       float acc = 0.0f;
@@ -140,22 +142,29 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b];
     if (qo == 0) continue;
-    if (kv == 0) {  // no keys at all: out 0, lse EMPTY_LSE
+    if (kv == 0) {  // no keys at all: out 0, lse EMPTY_LSE (the sink's, with sinks)
       for (int64_t t = p.q_starts[b]; t < p.q_starts[b] + qo; ++t)
         for (int64_t head = 0; head < p.h_kv * p.group; ++head) {
           for (int64_t e = 0; e < p.dv; ++e) store_value(p, t * p.o_row + head * p.o_head + e, 0.0f);
-          p.lse[t * p.l_row + head * p.l_head] = EMPTY_LSE;
+          p.lse[t * p.l_row + head * p.l_head] = p.sinks2 ? p.sinks2[head] : EMPTY_LSE;
         }
       continue;
     }
-    for (int64_t t0 = 0; t0 < qo; t0 += block)
+    for (int64_t t0 = 0; t0 < qo; t0 += block) {
+      const int64_t t1 = std::min(qo, t0 + block);
+      // With a window, reading starts at the lowest window start of these rows: a key's position is at
+      // most its index (tree node i of the tree at tree_lo + depth(i) <= its index), so no row sees a
+      // key below it.
+      int64_t lo = p.window ? kv : 0;
+      for (int64_t t = t0; p.window && t < t1; ++t)
+        lo = std::min(lo, std::max<int64_t>(0, p.row_pos[p.q_starts[b] + t] - p.window + 1));
       for (int64_t h = 0; h < p.h_kv; ++h) {
-        const int64_t t1 = std::min(qo, t0 + block);
-        groups.push_back({b, h, t0, t1, 0, 1, nullptr});
+        groups.push_back({b, h, t0, t1, lo, 0, 1, nullptr});
         max_rows = std::max(max_rows, (t1 - t0) * p.group);
-        flops += 2.0 * double((t1 - t0) * p.group * kv * (p.d + p.dv));
-        keys += double(kv);
+        flops += 2.0 * double((t1 - t0) * p.group * (kv - lo) * (p.d + p.dv));
+        keys += double(kv - lo);
       }
+    }
   }
   const bool parallel = threads > 1 && flops >= PARALLEL_FLOPS;
   int64_t chunk = 0;  // keys per item (0: a group's keys in one item)
@@ -170,7 +179,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   int64_t part_floats = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& g = groups[gi];
-    const int64_t kv = p.kv_lens[g.b], count = chunk ? (kv + chunk - 1) / chunk : 1;
+    const int64_t kv = p.kv_lens[g.b] - g.lo, count = chunk ? std::max<int64_t>(1, (kv + chunk - 1) / chunk) : 1;
     g.count = count;
     if (count > 1) {
       part_at[gi] = part_floats;
@@ -183,14 +192,14 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
     const int64_t kv = p.kv_lens[g.b], rows = (g.t1 - g.t0) * p.group;
     g.first = int64_t(items.size());
     if (g.count == 1) {
-      items.push_back({g.b, g.h, g.t0, g.t1, 0, kv, nullptr, nullptr});
+      items.push_back({g.b, g.h, g.t0, g.t1, g.lo, kv, nullptr, nullptr});
       owner.push_back(int64_t(gi));
       continue;
     }
     g.part_o = parts.data() + part_at[gi];
-    const int64_t size = (kv + g.count - 1) / g.count;
+    const int64_t size = (kv - g.lo + g.count - 1) / g.count;
     for (int64_t c = 0; c < g.count; ++c)
-      items.push_back({g.b, g.h, g.t0, g.t1, c * size, std::min(kv, (c + 1) * size), g.part_o + c * rows * p.dv,
+      items.push_back({g.b, g.h, g.t0, g.t1, g.lo + c * size, std::min(kv, g.lo + (c + 1) * size), g.part_o + c * rows * p.dv,
                        g.part_o + g.count * rows * p.dv + c * rows});
     for (int64_t c = 0; c < g.count; ++c) owner.push_back(int64_t(gi));
   }
@@ -262,7 +271,10 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   p.d = q.size(2);
   p.dv = v.size(o + 2);
   TORCH_CHECK(k.size(o + 2) == p.d && out.size(2) == p.dv && out.size(1) == q.size(1), "head dims disagree");
-  p.scale2 = float(sm_scale / std::log(2.0));
+  // MLA's absorbed form: V is K's first dv dims (same storage and strides), read from the K tile.
+  p.v_in_k = p.dv <= p.d && v.data_ptr() == k.data_ptr() && p.v_page == p.k_page && p.v_tok == p.k_tok &&
+             p.v_head == p.k_head;
+  p.q_scale = float(sm_scale / std::log(2.0));
   p.page_size = page_size;
   p.page_indices = pages.data_ptr<int32_t>();
   p.tree_order = order.data_ptr<int32_t>();
@@ -278,10 +290,35 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   return p;
 }
 
+// The attention variants: window (0: none) with each query row's position and each tree node's depth
+// (int64, in the plan's rows), soft-cap (0: none), sinks (float32 [h_q] natural-log logits, or empty).
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& meta,
                const at::Tensor& order, const at::Tensor& pages, int64_t page_size, double sm_scale,
-               const at::Tensor& out, const at::Tensor& lse, const std::string& isa) {
-  const Problem p = problem(q, k, v, meta, order, pages, page_size, sm_scale, out, lse);
+               const at::Tensor& out, const at::Tensor& lse, const std::string& isa, int64_t window,
+               double softcap, const at::Tensor& sinks, const at::Tensor& row_pos, const at::Tensor& depths) {
+  Problem p = problem(q, k, v, meta, order, pages, page_size, sm_scale, out, lse);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: not used)");
+  if (window > 0) {
+    TORCH_CHECK(row_pos.scalar_type() == at::kLong && row_pos.is_contiguous() && row_pos.numel() >= q.size(0) &&
+                    depths.scalar_type() == at::kLong && depths.is_contiguous() && depths.numel() == order.size(0),
+                "a window needs contiguous int64 row positions [total_q] and node depths [nodes]");
+    p.window = window;
+    p.row_pos = row_pos.data_ptr<int64_t>();
+    p.node_depth = depths.data_ptr<int64_t>();
+  }
+  if (softcap > 0.0) {
+    p.q_scale = float(sm_scale / softcap);
+    p.cap2 = float(softcap / std::log(2.0));
+  }
+  std::vector<float> sinks2;
+  if (sinks.numel()) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.device().is_cpu() && sinks.numel() == q.size(1),
+                "sinks must be float32 [h_q] on the CPU");
+    const at::Tensor flat = sinks.contiguous();
+    sinks2.resize(size_t(flat.numel()));
+    for (int64_t i = 0; i < flat.numel(); ++i) sinks2[size_t(i)] = float(flat.data_ptr<float>()[i] / std::log(2.0));
+    p.sinks2 = sinks2.data();
+  }
   run(p, meta.size(1), isa);
 }
 

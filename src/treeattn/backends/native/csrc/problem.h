@@ -31,7 +31,13 @@ struct Problem {
   float* lse;  // [total_q, h_q] fp32, base 2
   int64_t l_row, l_head;
   int64_t h_kv, group, d, dv;
-  float scale2;       // sm_scale * log2(e): scores land in the base-2 domain
+  bool v_in_k;  // V is K's first dv dims (MLA's absorbed form): the packed K tile serves as V's
+  float q_scale;  // Q's factor: sm_scale * log2(e) (scores in the base-2 domain), sm_scale / cap with a soft-cap
+  float cap2;     // logit soft-cap: scores are cap2 * tanh(q_scale * q.k), cap2 = cap * log2(e); 0: none
+  const float* sinks2;  // [h_q] sink logits in base 2, or null
+  int64_t window;       // sliding window (0: none): a row at position p sees keys at positions > p - window
+  const int64_t* row_pos;     // [total_q] each query row's position (window only)
+  const int64_t* node_depth;  // [nodes] each tree node's depth, in tree_order's rows (window only)
   int64_t page_size;  // 0: ragged keys (token kv_starts[b] + j)
   const int32_t* page_indices;
   const int32_t* tree_order;  // [nodes, 2] (enter, exit)
@@ -49,7 +55,7 @@ struct Problem {
 struct Item {
   int64_t b, h, t0, t1, c0, c1;
   float* part_o;    // null: write the final out/lse; else a partial result [rows][dv], normalised
-  float* part_lse;  // [rows], base 2 (EMPTY_LSE where no key of [c0, c1) is visible)
+  float* part_lse;  // [rows], base 2 (EMPTY_LSE where no key of [c0, c1) is visible); sinks left out
 };
 
 constexpr float EMPTY_LSE = -5e4f;
@@ -62,7 +68,7 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
   return p.d * rp           // Q^T
          + 2 * keys * rp    // scores / probabilities, and visibility masks
          + p.dv * rp        // O^T
-         + 4 * rp           // m, l, alpha, enter of each row
+         + 5 * rp           // m, l, alpha, enter, window start of each row
          + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
 }
 
