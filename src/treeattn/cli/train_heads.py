@@ -1,4 +1,5 @@
-"""``treeattn train-heads``: self-distil Medusa-style draft heads for SmolLM2-135M on the CPU.
+"""``treeattn train-heads``: self-distil Medusa-style draft heads for SmolLM2-135M on the CPU (HF
+transformers' LlamaForCausalLM with treeattn's attention, ``treeattn.models.load_smollm2``).
 
 Three stages, each checkpointed so that an interrupted run resumes where it stopped (rerun the same
 command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``),
@@ -109,7 +110,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
 
     console.print(f"[bold]{MODEL_NAME}[/bold], {threads} threads{why}: {len(prompts)} prompts, "
                   f"{args.max_tokens} tokens each, {args.num_heads} heads")
-    with _progress(console) as bar:
+    with _progress(console) as bar, model.attention():  # "treeattn" for every forward of the run
         task = bar.add_task("model answers", total=len(prompts), completed=len(ckpt["outputs"]), info="")
 
         def on_batch(outputs):

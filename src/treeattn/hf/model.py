@@ -1,5 +1,5 @@
-"""An HF causal LM seen through treeattn's model protocol (``new_cache`` and ``forward``), so that
-``treeattn.speculative.generate`` drives it exactly as it drives treeattn's compact model."""
+"""An HF causal LM seen through treeattn's model protocol (``new_cache`` and ``forward``,
+``treeattn.speculative.model.TreeModel``), so that ``treeattn.speculative.generate`` drives it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.llama import ModelOutput
+from ..speculative.model import ModelOutput
 from .attention import ATTN_IMPLEMENTATION, TreeCache
 
 __all__ = ["HFTreeModel", "check_model"]
@@ -47,6 +47,9 @@ class HFTreeModel:
 
     ``forward`` packs every sequence's new tokens into one row (``input_ids [1, T]``) at the tree
     positions the cache planned, so RoPE of any kind (partial, scaled, per layer type) is the model's own.
+    A forward outside ``attention()`` switches the model to "treeattn" for its own duration (about
+    1.5 ms per forward): callers that run many wrap them in ``with tree_model.attention():``.
+    ``config`` is the model's text config; ``logits(hidden)`` its LM head (for draft heads).
     """
 
     def __init__(self, model):
@@ -57,6 +60,23 @@ class HFTreeModel:
         # transformers renamed forward's past_key_values to cache (5.2x); pass whichever this version takes.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.config = model.config.get_text_config()
+
+    def __repr__(self) -> str:
+        return f"HFTreeModel({type(self.model).__name__})"
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states ``[R, hidden_size]``: the model's LM head (and its final
+        logit soft-cap, if any). Draft heads draft through it; drafts only change speed, never the output."""
+        head = self.model.get_output_embeddings()
+        hidden = hidden.to(dtype=head.weight.dtype, device=head.weight.device)
+        if isinstance(head, torch.nn.Linear):  # frozen: training heads through it computes no weight gradient
+            bias = None if head.bias is None else head.bias.detach()
+            logits = torch.nn.functional.linear(hidden, head.weight.detach(), bias).float()
+        else:
+            logits = head(hidden).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def new_cache(self, num_pages: int, *, page_size: int = 16, backend: str | None = None) -> TreeCache:
         return TreeCache(self.model.config, num_pages=num_pages, page_size=page_size, dtype=self.dtype,
@@ -79,7 +99,10 @@ class HFTreeModel:
     def forward(self, cache: TreeCache, seq_ids: Sequence, input_ids: torch.Tensor, append_lengths: Sequence[int],
                 tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None) -> ModelOutput:
         """Append ``input_ids`` (packed, ``append_lengths[b]`` for ``seq_ids[b]``); logits and last hidden states
-        of ``logits_rows`` (default: all). The call of ``LlamaTreeModel.forward``, on an HF model."""
+        of ``logits_rows`` (default: all): ``TreeModel.forward`` on an HF model."""
+        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            with self.attention():
+                return self.forward(cache, seq_ids, input_ids, append_lengths, tree_parents, logits_rows=logits_rows)
         info = cache.paged.begin_forward(seq_ids, append_lengths, tree_parents)
         rows = 0 if logits_rows is None else logits_rows.to(self.device)  # 0: HF's "all rows"
         try:

@@ -1,7 +1,6 @@
-"""Model integration: Llama-family decoders running their attention through ``treeattn.PagedKVCache``."""
+"""Model loading: HF transformers causal LMs (SmolLM2 shipped as a GGUF, or any local model folder or
+GGUF file) wrapped in ``treeattn.hf.HFTreeModel``, the one model path of treeattn."""
 
-from .llama import LlamaConfig, LlamaTreeModel, ModelOutput, rope_from_hf
-from .loader import INSTALL_HINT, ModelNotAvailable, load_smollm2, smollm2_dir
+from .loader import INSTALL_HINT, ModelNotAvailable, load_model, load_smollm2, save_smollm2, smollm2_dir
 
-__all__ = ["INSTALL_HINT", "LlamaConfig", "LlamaTreeModel", "ModelNotAvailable", "ModelOutput", "load_smollm2",
-           "rope_from_hf", "smollm2_dir"]
+__all__ = ["INSTALL_HINT", "ModelNotAvailable", "load_model", "load_smollm2", "save_smollm2", "smollm2_dir"]

@@ -8,6 +8,7 @@ from .adaptive import AdaptiveDrafter, Candidates, CostModel, LearningDrafter, S
 from .drafters import CandidateSource, Drafter, MedusaHeads, NGramDrafter, StaticTreeDrafter
 from .generate import GenerationResult, generate
 from .heads import DraftHeads, HeadDrafter
+from .model import ModelOutput, TreeModel
 from .suffix import SuffixDrafter
 from .verify import DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy, verify_sampling
 
@@ -23,11 +24,13 @@ __all__ = [
     "HeadDrafter",
     "LearningDrafter",
     "MedusaHeads",
+    "ModelOutput",
     "NGramDrafter",
     "SamplingParams",
     "ScoringDrafter",
     "StaticTreeDrafter",
     "SuffixDrafter",
+    "TreeModel",
     "VerifyResult",
     "generate",
     "target_probs",

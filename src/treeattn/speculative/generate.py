@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..models.llama import LlamaTreeModel
 from .adaptive import LearningDrafter, make_adaptive
 from .drafters import Drafter
+from .model import TreeModel
 from .verify import DraftTree, SamplingParams, verify
 
 __all__ = ["GenerationResult", "generate"]
@@ -73,12 +73,14 @@ def _check_prompts(prompts) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def generate(model: LlamaTreeModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
+def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
              drafter: Drafter | None = None, sampling: SamplingParams | None = None,
              generator: torch.Generator | None = None, stop_tokens: Sequence[int] = (),
              on_tokens: TokenCallback | None = None, page_size: int = 16, backend: str | None = None,
              draft_slack: int = 256, adaptive: bool = True) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens for each prompt, all prompts batched together.
+
+    ``model`` implements ``TreeModel`` (``treeattn.hf.HFTreeModel`` wraps any HF causal LM).
 
     ``drafter=None`` is plain decoding (one token per sequence per forward); with a drafter each
     forward verifies one tree per sequence. ``sampling=None`` (or temperature 0) is greedy;

@@ -56,7 +56,7 @@ Progress = Callable[[int, int, str], None]  # (done, total, message)
 
 class DraftHeads(nn.Module):
     """``num_heads`` residual SiLU blocks (``hidden_size x hidden_size`` each) before a shared, frozen
-    LM head passed in at call time (``lm_head(x) -> logits``, e.g. ``LlamaTreeModel.logits``)."""
+    LM head passed in at call time (``lm_head(x) -> logits``, e.g. ``HFTreeModel.logits``)."""
 
     def __init__(self, hidden_size: int, num_heads: int = 3):
         super().__init__()
@@ -180,16 +180,14 @@ def self_distill(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
 
 
 def causal_hidden_states(model, tokens: Sequence[int]) -> torch.Tensor:
-    """Final hidden states ``[T, hidden]`` of one sequence, with dense causal attention (no cache)."""
+    """Final hidden states ``[T, hidden]`` of one sequence: one causal forward of ``model`` (a
+    ``TreeModel``) on a scratch cache."""
     ids = torch.as_tensor(list(tokens), dtype=torch.int64)
-
-    def attention(layer, q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-        return out[0].transpose(0, 1)
-
+    page_size = 16
+    cache = model.new_cache(-(-ids.numel() // page_size), page_size=page_size)
+    cache.add_sequence(0)
     with torch.inference_mode():
-        hidden = model.hidden_states(ids, torch.arange(ids.numel()), attention)
+        hidden = model.forward(cache, [0], ids, [ids.numel()]).hidden
     return hidden.clone()  # outside inference mode: a normal tensor that training can use
 
 
