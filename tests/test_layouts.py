@@ -47,6 +47,34 @@ def test_layouts_match_the_ragged_reference(backend, layout, page_size, dtype):
     assert_close_to_reference(out, lse, ref_out, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prepared_call_runs_every_layer_as_the_operator_does(backend):
+    """prepare_paged_tree_attention once, PagedCall.run per layer: the operator's output for each layer's
+    q and pages; a q or pages of another shape are refused, not run."""
+    batch = make_batch([*MIXED, Request(binary(9), prefix=40)], h_q=8, h_kv=2, d=32, seed=11, page_size=16)
+    e = batch.extra
+    plan = treeattn.TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
+                                            batch.tree_indptr, batch.tree_order, page_size=16,
+                                            num_pages=e["kv_pages"].shape[0], total_q=batch.q.shape[0])
+    layers = [(torch.randn_like(batch.q), torch.randn_like(e["kv_pages"])) for _ in range(3)]
+    call = treeattn.prepare_paged_tree_attention(layers[0][0], PagedKV.wrap(layers[0][1]), plan=plan, backend=backend)
+    for q, pages in layers:
+        out, lse = outputs_for(q)
+        call.run(q, PagedKV.wrap(pages), out=out, lse=lse)
+        ref_out, ref_lse = treeattn.paged_tree_attention(q, None, pages, None, None, None, None, None, plan=plan,
+                                                         backend=backend)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="q must be"):
+        call.run(batch.q[:-1], PagedKV.wrap(layers[0][1]))
+    with pytest.raises(ValueError, match="q must be"):
+        call.run(batch.q.double(), PagedKV.wrap(layers[0][1]))
+    with pytest.raises(ValueError, match="pages must have"):
+        call.run(batch.q, PagedKV.wrap(layers[0][1][:-1]))
+    with pytest.raises(TypeError, match="PagedKV"):
+        treeattn.prepare_paged_tree_attention(batch.q, layers[0][1], plan=plan)
+
+
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])  # the reference copies by design
 def test_a_paged_run_allocates_no_cache_sized_tensor(backend):
     """Pages are read in place: no allocation during a run comes near the size of the cache."""

@@ -208,8 +208,50 @@ def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_
     ``last_page_len[b]``. Same masking, variants and outputs as ``tree_attention`` (MLA: ``v_pages`` a
     view of ``k_pages[..., :d_v]``).
     """
-    check_float(q, "q", 3)
     kv = PagedKV.wrap(kv_pages, kv_layout)
+    call = prepare_paged_tree_attention(q, kv, q_indptr, page_indptr, page_indices, last_page_len, tree_indptr,
+                                        tree_order, sm_scale=sm_scale, sliding_window=sliding_window,
+                                        logit_softcap=logit_softcap, sinks=sinks, backend=backend, plan=plan)
+    return call.run(q, kv, out=out, lse=lse)
+
+
+class PagedCall:
+    """One step's paged tree attention, checked, planned and dispatched once, then run for many layers
+    (FlashInfer's plan/run): ``run(q, kv)`` checks only that ``q`` and the pages look like those it was
+    prepared for (shape, dtype, device, layout), then makes the backend's call. Built by
+    ``prepare_paged_tree_attention``; ``paged_tree_attention`` is one prepare and one run."""
+
+    def __init__(self, backend, state, plan: TreeAttentionPlan, sm_scale: float, sinks, q, kv: PagedKV):
+        self.backend, self.state, self.plan, self.sm_scale, self.sinks = backend, state, plan, sm_scale, sinks
+        self._q = (tuple(q.shape), q.dtype, q.device)
+        self._kv = _kv_signature(kv)
+
+    def run(self, q, kv: PagedKV, *, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(q, torch.Tensor) or (tuple(q.shape), q.dtype, q.device) != self._q:
+            raise ValueError(f"q must be a {self._q[1]} tensor of shape {self._q[0]} on {self._q[2]}, as prepared; "
+                             f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        if not isinstance(kv, PagedKV) or _kv_signature(kv) != self._kv:
+            raise ValueError("the pages must have the layout, shapes, dtype and device this call was prepared for")
+        out, lse = _outputs(q.shape[0], q.shape[1], kv.v_head_dim, q, out, lse)
+        self.backend.paged_tree_attention(q, kv, self.plan, self.state, sm_scale=self.sm_scale, out=out, lse=lse,
+                                          sinks=self.sinks)
+        return out, lse
+
+
+def _kv_signature(kv: PagedKV) -> tuple:
+    return kv.layout, tuple(kv.k.shape), tuple(kv.v.shape), kv.k.stride(), kv.v.stride(), kv.dtype, kv.device
+
+
+def prepare_paged_tree_attention(q, kv: PagedKV, q_indptr=None, page_indptr=None, page_indices=None,
+                                 last_page_len=None, tree_indptr=None, tree_order=None, *, sm_scale=None,
+                                 sliding_window=None, logit_softcap=None, sinks=None, backend=None,
+                                 plan=None) -> PagedCall:
+    """Every check, the plan and the backend choice of ``paged_tree_attention``, done once: the returned
+    ``PagedCall`` runs the call for any number of layers whose ``q`` and pages (a ``PagedKV``) have the
+    same shapes, each run one backend call (what an engine wants per layer)."""
+    check_float(q, "q", 3)
+    if not isinstance(kv, PagedKV):
+        raise TypeError(f"kv must be a treeattn.PagedKV (PagedKV.wrap(kv_pages, kv_layout)), got {type(kv).__name__}")
     name = "kv_pages" if kv.layout == "TVM" else "k_pages"
     if kv.dtype != q.dtype:
         raise TypeError(f"{name} has dtype {kv.dtype}, expected {q.dtype} (the dtype of q)")
@@ -233,10 +275,7 @@ def paged_tree_attention(q, q_indptr, kv_pages, page_indptr, page_indices, last_
     spec = AttentionSpec(q.device, q.dtype, q.shape[1], kv.num_kv_heads, q.shape[2], kv.v_head_dim,
                          page_size=kv.page_size, **_variant_spec(sliding_window, logit_softcap, sinks))
     chosen = select(backend, spec)
-    state = plan.state(chosen, spec)
-    out, lse = _outputs(q.shape[0], q.shape[1], kv.v_head_dim, q, out, lse)
-    chosen.paged_tree_attention(q, kv, plan, state, sm_scale=sm_scale, out=out, lse=lse, sinks=sinks)
-    return out, lse
+    return PagedCall(chosen, plan.state(chosen, spec), plan, sm_scale, sinks, q, kv)
 
 
 def merge_state(out_a, lse_a, out_b, lse_b, *, out=None, lse=None, backend=None):

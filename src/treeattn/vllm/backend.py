@@ -10,17 +10,19 @@
   shared by every layer of the KV cache group; with tree speculation (``treeattn.vllm.speculative``)
   the requests' draft trees go into it.
 - **Impl**: ``do_kv_cache_update`` stores the new K/V by vLLM's ``slot_mapping``; ``forward`` is
-  one ``paged_tree_attention`` call into vLLM's output buffer.
+  one call into vLLM's output buffer: the first layer of a step checks and dispatches it
+  (``prepare_paged_tree_attention``), every layer runs it with no other host work.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
@@ -35,7 +37,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..layout import PagedKV, SlotIndex
-from ..ops import paged_tree_attention
+from ..ops import prepare_paged_tree_attention
 from ..plan import TreeAttentionPlan
 from .batch import split_kv_cache, step_plan
 from .speculative import step_trees
@@ -59,6 +61,27 @@ logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropThreadWarning())
 class TreeAttentionMetadata(AttentionMetadata):
     plan: TreeAttentionPlan
     num_actual_tokens: int  # rows vLLM may pad past the plan's are left untouched
+    # The step's attention call, checked and dispatched by the first layer and run by every layer
+    # alike (with an LSE buffer they share: vLLM reads only the output), by the layers' common shape.
+    calls: dict = field(default_factory=dict)
+    store: _StoreIndex | None = None  # where this step's new K/V go, for every layer
+
+
+@dataclass(frozen=True)
+class _StoreIndex:
+    """vLLM's slot mapping as treeattn stores by it: the rows to keep (None: all; vLLM marks padding
+    tokens with slot -1) and their (page, offset), built on the mapping's device (no host round trip)."""
+
+    source: tuple[int, int]  # (data_ptr, length) of the slot mapping it was built from
+    rows: torch.Tensor | None
+    index: SlotIndex
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, page_size: int) -> _StoreIndex:
+        keep = slot_mapping >= 0
+        rows = None if bool(keep.all()) else keep.nonzero().squeeze(1)
+        slot = (slot_mapping if rows is None else slot_mapping[rows]).long()
+        return cls((slot_mapping.data_ptr(), slot_mapping.shape[0]), rows, SlotIndex(slot // page_size, slot % page_size))
 
 
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
@@ -83,7 +106,8 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         plan = step_plan(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
                          page_size=self.page_size, num_pages=self._num_pages(), trees=step_trees(m.num_reqs),
                          device=self.device)
-        return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens)
+        return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens,
+                                     store=_StoreIndex.build(m.slot_mapping, self.page_size))
 
 
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
@@ -110,16 +134,31 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self._pages: tuple[tuple, PagedKV] | None = None  # this layer's cache seen as pages, made once
         logger.info_once("Using treeattn attention backend.")
+
+    def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
+        """The layer's cache as treeattn pages; vLLM hands the same tensor every step."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if self._pages is None or self._pages[0] != key:
+            self._pages = (key, PagedKV.wrap(split_kv_cache(kv_cache), "HND"))
+        return self._pages[1]
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        pages = self._paged(kv_cache)
+        # The step's store index, built once by the builder from this same mapping; else built here.
+        metadata = get_forward_context().attn_metadata if is_forward_context_available() else None
+        if isinstance(metadata, dict):
+            metadata = metadata.get(getattr(layer, "layer_name", None))
+        store = getattr(metadata, "store", None)
+        if store is None or store.source != (slot_mapping.data_ptr(), slot_mapping.shape[0]):
+            store = _StoreIndex.build(slot_mapping, pages.page_size)
         n = slot_mapping.shape[0]
-        keep = slot_mapping >= 0  # vLLM marks padding tokens with slot -1
-        slot = slot_mapping[keep].long()
-        pages = PagedKV.wrap(split_kv_cache(kv_cache), "HND")
-        # SlotIndex built on the cache's device: no host round trip of vLLM's slot mapping.
-        pages.write(SlotIndex(slot // pages.page_size, slot % pages.page_size), key[:n][keep], value[:n][keep])
+        key, value = key[:n], value[:n]
+        if store.rows is not None:
+            key, value = key[store.rows], value[store.rows]
+        pages.write(store.index, key, value)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: TreeAttentionMetadata | None, output: torch.Tensor,
@@ -130,9 +169,13 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         if attn_metadata is None:  # vLLM's profiling run: no batch, nothing to attend
             return output
         plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
-        # Index arrays None: the plan's own (built once per step by the builder).
-        paged_tree_attention(query[:rows], None, split_kv_cache(kv_cache), None, None, None, None, None,
-                             kv_layout="HND", sm_scale=self.scale, plan=plan, out=output[:rows], backend=self.kernels)
+        q, pages = query[:rows], self._paged(kv_cache)
+        key = (tuple(q.shape), q.dtype, self.scale, self.kernels)
+        if key not in attn_metadata.calls:  # index arrays None: the plan's own (built once per step)
+            call = prepare_paged_tree_attention(q, pages, sm_scale=self.scale, plan=plan, backend=self.kernels)
+            attn_metadata.calls[key] = call, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        call, lse = attn_metadata.calls[key]
+        call.run(q, pages, out=output[:rows], lse=lse)
         return output
 
 
