@@ -119,17 +119,24 @@ def test_plugin_registers_triton_as_custom_on_cuda(registry, monkeypatch):
 
 # ---------------------------------------------------------------- one layer, one step, against vLLM's kernels
 
-@pytest.mark.parametrize("kernels", [None, "triton"])
-def test_one_mixed_step_matches_cpu_attn_kernels(kernels):
-    """Prefill, decode, verification and an idle request in one step: each backend writes the same
-    K/V with its own writer into its own pages, then attends; the outputs agree. (The pages are
+VARIANTS = {"plain": {}, "window": {"sliding_window": 8}, "softcap": {"logits_soft_cap": 5.0},
+            "sinks": {"sinks": [0.5, -1.0, 2.0, 4.0]},
+            "all": {"sliding_window": 20, "logits_soft_cap": 30.0, "sinks": [1.0, 0.0, -2.0, 3.0]}}
+
+
+@pytest.mark.parametrize("kernels, variant", [(None, v) for v in VARIANTS] + [("triton", "plain"), ("triton", "all")],
+                         ids=lambda x: str(x))
+def test_one_mixed_step_matches_cpu_attn_kernels(kernels, variant):
+    """Prefill, decode, verification and an idle request in one step, with each attention variant vLLM
+    passes (sliding window, soft-cap, sinks): each backend writes the same K/V with its own writer into
+    its own pages, then attends; the outputs agree. (The pages are
     not byte-identical: CPU_ATTN stores K transposed within a block for its kernels.)
     ``kernels="triton"`` is the CUDA path's kernels, run on the CPU by Triton's interpreter, which
     must be chosen before triton is imported: that case reruns this test in a fresh process."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.importorskip("triton")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "vllm", "-p", "no:cacheprovider",
-                               f"{__file__}::test_one_mixed_step_matches_cpu_attn_kernels[triton]"],
+                               f"{__file__}::test_one_mixed_step_matches_cpu_attn_kernels[triton-{variant}]"],
                               cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
         return
@@ -155,21 +162,26 @@ def test_one_mixed_step_matches_cpu_attn_kernels(kernels):
     q = torch.randn(int(qsl[-1]), h_q, d, generator=gen)
     isa = _get_attn_isa(torch.float32, bs, d)
     layer = types.SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    variants = dict(VARIANTS[variant])
+    if "sinks" in variants:
+        variants["sinks"] = torch.tensor(variants["sinks"])
+    window = variants.get("sliding_window", -1)
 
     theirs = CPUAttentionBackendImpl.__new__(CPUAttentionBackendImpl)  # its __init__ needs a whole model config
-    theirs.__dict__.update(attn_type="decoder", use_zentorch_sdpa=False, sinks=None, scale=scale, alibi_slopes=None,
-                           sliding_window=-1, logits_soft_cap=0, kv_cache_dtype="auto")
+    theirs.__dict__.update(attn_type="decoder", use_zentorch_sdpa=False, sinks=variants.get("sinks"), scale=scale,
+                           alibi_slopes=None, sliding_window=window,
+                           logits_soft_cap=variants.get("logits_soft_cap", 0), kv_cache_dtype="auto")
     cache = torch.zeros(blocks, h_kv, bs, 2 * d)
     theirs.do_kv_cache_update(layer, k, v, cache, slots)
     scheduler = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=4, num_heads=h_q, num_kv_heads=h_kv, head_dim=d, seq_lens=seq_lens, dtype=torch.float32,
-        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=True)
+        query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=True)
     expected = torch.zeros_like(q)
     theirs.forward(layer, q, None, None, cache, CPUAttentionMetadata(
         num_actual_tokens=q.shape[0], max_query_len=40, query_start_loc=qsl, max_seq_len=71, seq_lens=seq_lens,
         block_table=table, slot_mapping=slots, scheduler_metadata=scheduler), expected)
 
-    ours = TreeAttentionImpl(h_q, d, scale, h_kv)
+    ours = TreeAttentionImpl(h_q, d, scale, h_kv, **variants)
     ours.kernels = kernels
     cache = torch.zeros(blocks, h_kv, bs, 2 * d)
     ours.do_kv_cache_update(layer, k, v, cache, slots)

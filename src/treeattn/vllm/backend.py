@@ -122,14 +122,18 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
         unsupported = [name for name, used in (
-            ("ALiBi", alibi_slopes is not None), ("sliding window", sliding_window is not None),
-            ("logits soft cap", bool(logits_soft_cap)), ("attention sinks", sinks is not None),
+            ("ALiBi", alibi_slopes is not None),
             (f"attention type {attn_type}", attn_type != AttentionType.DECODER),
             (f"kv_cache_dtype={kv_cache_dtype!r}", kv_cache_dtype != "auto"),
         ) if used]
         if unsupported:
             raise NotImplementedError(f"treeattn's vLLM backend does not support {', '.join(unsupported)}; "
                                       "unset TREEATTN_VLLM to use vLLM's own attention")
+        # vLLM's variants mean what treeattn's do: a window of W keys ending at the query's own position,
+        # scores soft-capped after scaling, one sink logit per query head (a weight vLLM loads later).
+        self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else None
+        self.logit_softcap = float(logits_soft_cap) if logits_soft_cap else None
+        self.sinks = sinks
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -170,9 +174,13 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             return output
         plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
         q, pages = query[:rows], self._paged(kv_cache)
-        key = (tuple(q.shape), q.dtype, self.scale, self.kernels)
+        key = (tuple(q.shape), q.dtype, self.scale, self.kernels, self.sliding_window, self.logit_softcap,
+               None if self.sinks is None else id(self.sinks))
         if key not in attn_metadata.calls:  # index arrays None: the plan's own (built once per step)
-            call = prepare_paged_tree_attention(q, pages, sm_scale=self.scale, plan=plan, backend=self.kernels)
+            call = prepare_paged_tree_attention(q, pages, sm_scale=self.scale, plan=plan, backend=self.kernels,
+                                                sliding_window=self.sliding_window,
+                                                logit_softcap=self.logit_softcap,
+                                                sinks=None if self.sinks is None else self.sinks.float())
             attn_metadata.calls[key] = call, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         call, lse = attn_metadata.calls[key]
         call.run(q, pages, out=output[:rows], lse=lse)
@@ -185,6 +193,14 @@ class TreeAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
