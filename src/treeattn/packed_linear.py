@@ -1,0 +1,87 @@
+"""Linear layers with oneDNN-prepacked weights, for verifying trees (and drafting) on the CPU.
+
+PyTorch's CPU ``F.linear`` runs a one-row input as a matrix-vector product but a few rows as a
+general GEMM that repacks the weight on every call: on SmolLM2-135M (2 Zen 3 cores, fp32) a 2-token
+forward took 81 ms against 52 ms for one token, so every draft tree started 55% behind plain
+decoding. oneDNN's inner product on a weight packed once (what vLLM's CPU backend and inductor's
+freezing pass do) reads the packed weight at nearly the bandwidth limit for 1 to 16 rows: the same
+forwards take 46 ms for one token, 48 ms for 2 and 59 ms for 8 (``bench/results/speculative.md``).
+
+``pack_linears(model)`` swaps every plain ``nn.Linear`` of a CPU model whose weight oneDNN can pack
+for a ``PackedLinear`` that shares its parameters (tied embeddings stay tied) and keeps one packed
+copy of the weight (memory: one more copy of the linear weights). A packed layer repacks when its
+weight changes, and runs ``F.linear`` whenever autograd needs it, so training is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PackedLinear", "pack_linears"]
+
+
+def _onednn_ops() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (same ``weight`` and ``bias`` parameters) whose inference forward runs oneDNN
+    on a prepacked copy of the weight. Build it with ``PackedLinear.of(linear)``."""
+
+    _packed: torch.Tensor | None
+    _packed_for: tuple
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        """``linear`` repacked; ``RuntimeError`` when oneDNN cannot pack its weight (device, dtype, ISA)."""
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed.in_features, packed.out_features = linear.in_features, linear.out_features
+        packed.weight, packed.bias = linear.weight, linear.bias
+        packed._pack()
+        return packed
+
+    def _key(self) -> tuple:
+        w = self.weight
+        return w.data_ptr(), w._version, w.dtype, w.device
+
+    def _pack(self) -> None:
+        self._packed_for = self._key()
+        self._packed = None  # not packable (device, dtype, ISA): F.linear
+        if self.weight.device.type != "cpu" or not _onednn_ops():
+            raise RuntimeError("oneDNN packs weights of CPU tensors only")
+        # The batch-size hint only picks the packed layout; 16 suits tree verification (1 to 64 rows).
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return F.linear(x, self.weight, self.bias)  # oneDNN's op has no backward
+        if self._packed_for != self._key():  # the weight was changed in place or replaced since packing
+            with contextlib.suppress(RuntimeError):
+                self._pack()
+        if self._packed is None or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap ``model``'s plain ``nn.Linear`` layers for ``PackedLinear`` where oneDNN can pack their
+    weight (CPU; float32 everywhere, bfloat16 on AVX-512 machines); returns how many were swapped."""
+    if not _onednn_ops():
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:  # subclasses (quantized, LoRA, packed already) keep their own forward
+                continue
+            try:
+                setattr(parent, name, PackedLinear.of(child))
+            except RuntimeError:  # this weight's device, dtype or this CPU: F.linear stays
+                continue
+            swapped += 1
+    return swapped
