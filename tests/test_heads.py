@@ -1,6 +1,6 @@
-"""Draft heads on the model's own LM head: training, saving, drafting (tiny random Llama, CPU).
+"""The EAGLE-style draft head: data, training, saving, drafting (tiny random Llama, CPU).
 
-Budget: ~10 s on 2 cores.
+Budget: ~15 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from treeattn.speculative.heads import (
     head_examples,
     load_heads,
     save_heads,
+    shortlist,
     train_heads,
 )
 
@@ -27,6 +28,15 @@ from treeattn.speculative.heads import (
 @pytest.fixture(scope="module")
 def tiny(one_thread):
     return tiny_model("llama")
+
+
+def random_head(depth: int = 3, vocab=range(VOCAB), seed: int = 0) -> DraftHeads:
+    torch.manual_seed(seed)
+    heads = DraftHeads(64, vocab, depth=depth)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.2)
+    return heads.eval()
 
 
 def test_causal_hidden_states_match_the_model_logits(tiny):
@@ -38,46 +48,150 @@ def test_causal_hidden_states_match_the_model_logits(tiny):
     torch.testing.assert_close(tiny.logits(hidden), expected, atol=2e-5, rtol=1e-4)
 
 
-def test_untrained_heads_repeat_the_models_next_token_guess(tiny):
-    heads = DraftHeads(64, num_heads=2)
-    hidden = torch.randn(5, 64)
-    logits = heads(hidden, tiny.logits)
-    assert logits.shape == (2, 5, VOCAB)
-    torch.testing.assert_close(logits[1], tiny.logits(hidden))
+def test_vocab_weights_are_the_models_embeddings_and_lm_head(tiny):
+    embed, lm = tiny.vocab_weights()
+    hidden = torch.randn(3, 64)
+    torch.testing.assert_close(hidden @ lm.t(), tiny.logits(hidden))
+    assert embed.shape == (VOCAB, 64) and torch.equal(embed, tiny.model.get_input_embeddings().weight)
+
+
+def test_examples_lay_out_each_answer_and_unroll_within_it(tiny):
+    data = head_examples(tiny, [[1, 2], [7]], [[3, 4, 5, 6], [8, 9, 10]])
+    # answer 1: positions 1..4 of [1, 2, 3, 4, 5, 6]; answer 2: positions 0..2 of [7, 8, 9, 10]
+    assert data.next_token.tolist() == [3, 4, 5, 6, 8, 9, 10]
+    assert data.end.tolist() == [4, 4, 4, 4, 7, 7, 7]
+    torch.testing.assert_close(data.hidden[:4], causal_hidden_states(tiny, [1, 2, 3, 4, 5])[1:])
+    torch.testing.assert_close(data.hidden[4:], causal_hidden_states(tiny, [7, 8, 9]))
+    feed, states, targets = data.unroll(torch.tensor([0, 2, 3, 4]), depth=2)
+    assert feed[:, 0].tolist() == [3, 5, 6, 8]  # step 0 feeds the token after the state...
+    assert targets.tolist() == [[4, 5], [6, -100], [-100, -100], [9, 10]]  # ...and guesses the one after that
+    torch.testing.assert_close(states[0], data.hidden[[1, 2]])
+    with pytest.raises(ValueError, match="nothing to train on"):
+        head_examples(tiny, [[1]], [[2]])
+
+
+def test_shortlist_ranks_by_count_then_fills_with_the_lowest_ids():
+    assert shortlist([[5, 9, 9], [9, 5, 7]], vocab_size=12, size=6) == [9, 5, 7, 0, 1, 2]
+    assert shortlist([[5, 5, 3]], vocab_size=4, size=10) == [3, 0, 1, 2]  # the vocabulary bounds it
+    with pytest.raises(ValueError, match="size"):
+        shortlist([[1]], vocab_size=4, size=1)
+
+
+def test_head_arguments_are_checked(tiny):
+    for kwargs, match in ((dict(hidden_size=0, vocab=[1, 2]), "hidden_size"), (dict(hidden_size=64, vocab=[1, 1]),
+                          "distinct"), (dict(hidden_size=64, vocab=[-1, 2]), "distinct"),
+                          (dict(hidden_size=64, vocab=[1, 2], depth=0), "depth")):
+        with pytest.raises(ValueError, match=match):
+            DraftHeads(**kwargs)
+    heads = random_head()
+    assert heads(torch.randn(5, 64), torch.randn(5, 64)).shape == (5, 64)
+    with pytest.raises(ValueError, match="budget"):
+        HeadDrafter(heads, tiny.vocab_weights(), budget=0)
+    with pytest.raises(TypeError, match="DraftHeads"):
+        HeadDrafter(object(), tiny.vocab_weights())
 
 
 def periodic_data(tiny, period: int = 7, n: int = 6):
-    """Sequences that cycle through a fixed random permutation: the token k steps ahead is a function
-    of the current one, so a head can learn it."""
+    """Answers that cycle through a fixed random permutation: the next token is a function of the
+    current one, so a head can learn every draft step."""
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:period].tolist()
     prompts = [[perm[i % period]] + [perm[(i + 1) % period]] for i in range(n)]
     outputs = [[perm[(i + 2 + t) % period] for t in range(20)] for i in range(n)]
-    return head_examples(tiny, prompts, outputs, num_heads=2)
+    return perm, prompts, outputs, head_examples(tiny, prompts, outputs)
 
 
-def test_examples_target_the_tokens_two_and_three_ahead(tiny):
-    x, y = head_examples(tiny, [[1, 2]], [[3, 4, 5, 6]], num_heads=2)
-    # positions 1, 2, 3, 4 of [1, 2, 3, 4, 5, 6] predict 3..6; head 0 the token after that, head 1 two after
-    assert y.tolist() == [[4, 5], [5, 6], [6, -100], [-100, -100]]
-    torch.testing.assert_close(x, causal_hidden_states(tiny, [1, 2, 3, 4, 5])[1:])
-
-
-def test_training_lowers_the_loss_and_raises_accuracy(tiny):
-    x, y = periodic_data(tiny)
+def test_training_lowers_the_loss_and_raises_accuracy_at_every_step(tiny):
+    perm, _, outputs, data = periodic_data(tiny)
     torch.manual_seed(0)
-    heads = DraftHeads(64, num_heads=2)
-    before = head_accuracy(heads, tiny.logits, x, y)
-    state = train_heads(heads, tiny.logits, x, y, epochs=30, batch_rows=64, lr=3e-2)
-    assert np.mean(state.losses[-3:]) < 0.5 * np.mean(state.losses[:3])
-    after = head_accuracy(heads, tiny.logits, x, y)
-    assert all(a > b + 0.3 for a, b in zip(after, before)), (before, after)
+    heads = DraftHeads(64, shortlist(outputs, VOCAB, 16), depth=3)
+    weights = tiny.vocab_weights()
+    before = head_accuracy(heads, weights, data)
+    state = train_heads(heads, weights, data, epochs=30, batch_rows=64, lr=1e-2)
+    assert np.mean(state.losses[-3:]) < 0.6 * np.mean(state.losses[:3])
+    after = head_accuracy(heads, weights, data)
+    assert all(a > 0.95 and a > b + 0.5 for a, b in zip(after, before)), (before, after)
+    # Off the shortlist a token is a miss: a head over other tokens never scores.
+    blind = DraftHeads(64, [t for t in range(VOCAB) if t not in perm][:16], depth=3)
+    assert head_accuracy(blind, weights, data, top_k=16) == [0.0, 0.0, 0.0]
+
+
+def test_trained_drafter_proposes_the_continuation(tiny):
+    _, prompts, outputs, data = periodic_data(tiny)
+    torch.manual_seed(0)
+    heads = DraftHeads(64, shortlist(outputs, VOCAB, 16), depth=3)
+    train_heads(heads, tiny.vocab_weights(), data, epochs=30, batch_rows=64, lr=1e-2)
+    drafter = HeadDrafter(heads, tiny.vocab_weights(), budget=4, top_k=2, width=1)
+    context = prompts[0] + outputs[0][:5]  # data row 4 holds the state that predicted the context's last token
+    tree = drafter.propose([np.array(context)], data.hidden[[4]])[0]
+    assert tree.tokens.tolist() == [context[-1]] + outputs[0][5:8] and tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+def test_drafter_tree_is_the_heads_best_nodes(tiny):
+    """Rebuilt by hand: every node's children are the head's top-k after its path, each depth expands
+    the ``width`` best nodes, and the tree keeps the ``budget`` best by path probability."""
+    heads = random_head(depth=3, vocab=list(range(40, VOCAB)) + list(range(40)))
+    weights = tiny.vocab_weights()
+    embed, lm = weights
+    out = lm[heads.vocab]
+    top_k, width, budget = 3, 2, 9
+    drafter = HeadDrafter(heads, weights, budget=budget, top_k=top_k, width=width, min_score=0.0)
+    hidden = torch.randn(2, 64)
+    contexts = [np.array([4]), np.array([5, 6])]
+    cands = drafter.candidates(contexts, hidden)
+    for b, c in enumerate(cands):
+        with torch.no_grad():
+            all_nodes = []  # (path score, path tokens, edge probability)
+            frontier = [(1.0, [int(contexts[b][-1])], hidden[b])]
+            for _ in range(3):
+                children = []
+                for score, path, h in frontier:
+                    state = heads(h[None], embed[[path[-1]]])[0]
+                    p = torch.softmax(state @ out.t(), -1)
+                    top = torch.topk(p, top_k)
+                    for q, i in zip(top.values.tolist(), top.indices.tolist()):
+                        children.append((score * q, path + [int(heads.vocab[i])], state, q))
+                all_nodes += [(s, path, q) for s, path, _, q in children]
+                frontier = [(s, path, h) for s, path, h, _ in sorted(children, key=lambda x: -x[0])[:width]]
+        want = sorted(all_nodes, key=lambda x: -x[0])[:budget - 1]
+        tree = c.tree
+        paths = [[int(tree.tokens[0])]]
+        for i in range(1, tree.size):
+            paths.append(paths[tree.parents[i]] + [int(tree.tokens[i])])
+        assert tree.size == budget and tree.tokens[0] == contexts[b][-1]
+        assert sorted(map(tuple, paths[1:])) == sorted(tuple(p) for _, p, _ in want)
+        by_path = {tuple(p): q for _, p, q in want}
+        np.testing.assert_allclose([by_path[tuple(p)] for p in paths[1:]], c.prior[1:], rtol=1e-5)
+        depths = [len(p) - 1 for p in paths[1:]]
+        assert all((c.keys[1:] // 100) == np.array(depths) - 1)
+    # A batch drafts exactly what each context drafts alone.
+    for b in range(2):
+        alone = drafter.candidates([contexts[b]], hidden[[b]])[0]
+        assert alone.tree.tokens.tolist() == cands[b].tree.tokens.tolist()
+        assert alone.tree.parents.tolist() == cands[b].tree.parents.tolist()
+    with pytest.raises(ValueError, match="hidden"):
+        drafter.candidates([np.array([4])])
+    assert drafter.propose([], torch.zeros(0, 64)) == []
+
+
+def test_drafting_stops_where_no_path_reaches_min_score(tiny):
+    heads = random_head(depth=3)
+    hidden = torch.randn(1, 64)
+    deep = HeadDrafter(heads, tiny.vocab_weights(), budget=40, top_k=3, width=2, min_score=0.0)
+    shallow = HeadDrafter(heads, tiny.vocab_weights(), budget=40, top_k=3, width=2, min_score=0.99)
+    full, cut = deep.propose([np.array([4])], hidden)[0], shallow.propose([np.array([4])], hidden)[0]
+    assert full.size == 1 + 3 + 6 + 6 and cut.size == 1 + 3  # random heads: no path is 99% likely
+    assert (cut.parents[1:] == 0).all() and sorted(cut.tokens[1:]) == sorted(full.tokens[full.parents == 0])
+    with pytest.raises(ValueError, match="min_score"):
+        HeadDrafter(heads, tiny.vocab_weights(), min_score=1.0)
 
 
 def test_training_resumes_where_it_stopped(tiny):
-    x, y = periodic_data(tiny)
-    full = DraftHeads(64, num_heads=2)
-    train_heads(full, tiny.logits, x, y, epochs=3, batch_rows=32)
-    resumed = DraftHeads(64, num_heads=2)
+    _, _, outputs, data = periodic_data(tiny)
+    weights = tiny.vocab_weights()
+    torch.manual_seed(1)
+    full = DraftHeads(64, shortlist(outputs, VOCAB, 16), depth=2)
+    resumed = copy.deepcopy(full)
+    train_heads(full, weights, data, epochs=3, batch_rows=32)
     saved = []
 
     def interrupt(state):
@@ -85,49 +199,32 @@ def test_training_resumes_where_it_stopped(tiny):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_heads(resumed, tiny.logits, x, y, epochs=3, batch_rows=32, on_epoch=interrupt)
+        train_heads(resumed, weights, data, epochs=3, batch_rows=32, on_epoch=interrupt)
     assert saved[-1].epoch == 1
-    train_heads(resumed, tiny.logits, x, y, epochs=3, batch_rows=32, state=saved[-1])
+    train_heads(resumed, weights, data, epochs=3, batch_rows=32, state=saved[-1])
     for a, b in zip(full.parameters(), resumed.parameters()):
         torch.testing.assert_close(a, b)
 
 
 def test_save_load_round_trip(tmp_path):
-    heads = DraftHeads(64, num_heads=3)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.normal_()
+    heads = random_head(depth=2, vocab=[7, 3, 5])
     save_heads(heads, tmp_path / "h.pt", note="test")
     loaded, meta = load_heads(tmp_path / "h.pt")
-    assert meta == {"note": "test"} and loaded.num_heads == 3
+    assert meta == {"note": "test"} and loaded.depth == 2 and loaded.vocab.tolist() == [7, 3, 5]
     for a, b in zip(heads.parameters(), loaded.parameters()):
         torch.testing.assert_close(a.to(torch.float16).float(), b)  # saved in float16
     torch.save({"x": 1}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="not a treeattn draft-heads file"):
+    with pytest.raises(ValueError, match="not a treeattn draft-head file"):
         load_heads(tmp_path / "other.pt")
-
-
-def test_head_drafter_trees_follow_the_heads(tiny):
-    heads = DraftHeads(64, num_heads=2)
-    drafter = HeadDrafter(heads, tiny.logits, budget=7, top_k=3)
-    hidden = torch.randn(2, 64)
-    cands = drafter.candidates([np.array([4]), np.array([5, 6])], hidden)
-    top = torch.topk(heads(hidden, tiny.logits), 3, dim=-1).indices
-    for b, c in enumerate(cands):
-        tree = c.tree
-        assert tree.size == 7 and tree.tokens[0] == [4, 6][b]
-        depth = np.zeros(tree.size, int)
-        for i in range(1, tree.size):
-            depth[i] = depth[tree.parents[i]] + 1
-            assert tree.tokens[i] in top[depth[i] - 1, b].tolist()
-        assert depth.max() <= 2
-    with pytest.raises(ValueError, match="hidden"):
-        drafter.candidates([np.array([4])])
+    torch.save({"format": "treeattn-draft-heads-1"}, tmp_path / "medusa.pt")
+    with pytest.raises(ValueError, match="older treeattn .*rerun `treeattn train-heads`"):
+        load_heads(tmp_path / "medusa.pt")
 
 
 def test_optimizer_checkpoint_loads_weights_only(tiny, tmp_path):
-    x, y = periodic_data(tiny)
-    state = train_heads(DraftHeads(64, num_heads=2), tiny.logits, x, y, epochs=1, batch_rows=64)
+    _, _, outputs, data = periodic_data(tiny)
+    state = train_heads(DraftHeads(64, shortlist(outputs, VOCAB, 16), depth=2), tiny.vocab_weights(), data,
+                        epochs=1, batch_rows=64)
     torch.save({"optimizer": state.optimizer, "losses": state.losses}, tmp_path / "ckpt")
     assert torch.load(tmp_path / "ckpt", weights_only=True)["losses"] == state.losses
 
@@ -139,19 +236,22 @@ class CharTokenizer:
         return [1 + ord(ch) % (VOCAB - 1) for ch in messages[0]["content"][:10]]
 
 
-def test_train_heads_command_writes_heads(tiny, tmp_path, monkeypatch, capsys):
+def test_train_heads_command_writes_a_head(tiny, tmp_path, monkeypatch, capsys):
     from treeattn.cli import build_parser
     from treeattn.cli import train_heads as cli
 
     monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
     (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
     argv = ["train-heads", "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "h.pt"),
-            "--max-tokens", "6", "--epochs", "2", "--batch", "2", "--threads", "1", "--num-heads", "2"]
+            "--max-tokens", "6", "--epochs", "2", "--batch", "2", "--threads", "1", "--depth", "2", "--vocab", "20"]
     args = build_parser().parse_args(argv)
     assert args.run(args) == 0
     heads, meta = load_heads(tmp_path / "h.pt")
-    assert heads.num_heads == 2 and len(meta["top1"]) == 2 and meta["prompts"] == 4
+    assert heads.depth == 2 and heads.vocab.numel() == 20 and len(meta["top1"]) == 2 and meta["prompts"] == 4
     assert not (tmp_path / "h.ckpt").exists()  # removed once training ended
-    bad = build_parser().parse_args(argv[:1] + ["--prompts", str(tmp_path / "missing.txt")])
-    assert bad.run(bad) == 2
-    assert "--prompts" in capsys.readouterr().err
+    assert "draft step" in capsys.readouterr().out
+    for bad_args, flag in ((["--prompts", str(tmp_path / "missing.txt")], "--prompts"), (["--vocab", "1"], "--vocab"),
+                           (["--depth", "0"], "--depth")):
+        bad = build_parser().parse_args(argv[:1] + bad_args)
+        assert bad.run(bad) == 2
+        assert flag in capsys.readouterr().err

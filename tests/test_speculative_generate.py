@@ -22,11 +22,11 @@ DEAR = (1e-4, 1.0)  # a node costs far more than a step: never worth drafting
 
 def random_heads(model, seed=0) -> HeadDrafter:
     torch.manual_seed(seed)
-    heads = DraftHeads(model.config.hidden_size, num_heads=2)
+    heads = DraftHeads(model.config.hidden_size, range(model.config.vocab_size), depth=3)
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.1)
-    return HeadDrafter(heads, model.logits, budget=12, top_k=3)
+    return HeadDrafter(heads, model.vocab_weights(), budget=12, top_k=3, width=2)
 
 
 def test_every_drafter_reproduces_greedy(llama):  # noqa: F811

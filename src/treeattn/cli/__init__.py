@@ -1,5 +1,5 @@
 """The ``treeattn`` command: ``check`` (self-test), ``bench`` (CPU benchmark), ``demo`` (speculative decoding),
-``train-heads`` (draft heads for the demo's model)."""
+``train-heads`` (a draft head for the demo's model)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(demo)
     demo.set_defaults(run=_demo)
 
-    heads = sub.add_parser("train-heads", help="train draft heads for the demo's model on its own answers (CPU)")
+    heads = sub.add_parser("train-heads", help="train an EAGLE-style draft head for the demo's model on its own answers (CPU)")
     from .train_heads import add_train_heads_arguments
 
     add_train_heads_arguments(heads)

@@ -5,8 +5,8 @@ must be token-identical; with ``--temperature`` both sample from the model's dis
 speculative sampling), so they agree in distribution, not token for token.
 
 Drafters (``--drafter``): ``ngram`` (prompt lookup), ``suffix`` (a suffix trie over the prompts and
-every earlier answer), ``heads`` (trained draft heads, ``treeattn train-heads``), ``auto`` (suffix
-and heads together when heads are available). Each step verifies only the part of the draft tree
+every earlier answer), ``heads`` (a trained EAGLE-style draft head, ``treeattn train-heads``),
+``auto`` (suffix and the head together when a head is available). Each step verifies only the part of the draft tree
 expected to pay for its verification time (``AdaptiveDrafter``), or nothing: ``--full-trees`` turns
 that off. The built-in prompts ask for text that repeats the prompt (a code edit, a summary,
 questions about a passage), the workload where model-free drafters shine.
@@ -165,15 +165,16 @@ def _summary(prompts: list[_Prompt], greedy: list[GenerationResult], spec: list[
 
 
 def heads_mismatch(heads, metadata: dict, model, model_name: str) -> str | None:
-    """Why draft heads made for another model cannot draft for ``model`` (``None``: they can). A heads
-    file names the model it was trained for (``treeattn train-heads`` writes it); its hidden size must
-    match, and heads read that model's hidden states through ``model``'s own LM head."""
+    """Why a draft head made for another model cannot draft for ``model`` (``None``: it can). A head
+    file names the model it was trained for (``treeattn train-heads`` writes it); its hidden size and
+    vocabulary must fit, as it reads that model's states, embeddings and LM head."""
     made_for = metadata.get("model")
     if made_for is not None and made_for != model_name:
-        return f"the draft heads were trained for {made_for}, not {model_name}"
-    if heads.hidden_size != model.config.hidden_size:
-        return (f"the draft heads read hidden states of size {heads.hidden_size}, "
-                f"the model's are {model.config.hidden_size}")
+        return f"the draft head was trained for {made_for}, not {model_name}"
+    try:
+        heads.check_model(model.vocab_weights())
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -199,10 +200,13 @@ def build_drafter(kind: str, model, budget: int, *, heads: Path | None = None, f
     if kind in ("suffix", "auto"):
         sources.append(SuffixDrafter(budget))
     if kind in ("heads", "auto") and heads_path is not None:
-        trained, metadata = load_heads(heads_path, dtype=model.dtype)
-        why = heads_mismatch(trained, metadata, model, model_name)
+        try:
+            trained, metadata = load_heads(heads_path, dtype=model.dtype)
+            why = heads_mismatch(trained, metadata, model, model_name)
+        except ValueError as exc:  # e.g. Medusa heads from an older treeattn in the user's cache
+            why = str(exc)
         if why is None:
-            sources.append(HeadDrafter(trained, model.logits, budget=budget))
+            sources.append(HeadDrafter(trained, model.vocab_weights(), budget=budget))
         elif kind == "heads":
             raise ValueError(f"--drafter heads: {heads_path}: {why}; pick another --drafter")
         else:

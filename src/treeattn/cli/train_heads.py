@@ -1,10 +1,11 @@
-"""``treeattn train-heads``: self-distil Medusa-style draft heads for SmolLM2-135M on the CPU (HF
+"""``treeattn train-heads``: self-distil an EAGLE-style draft head for SmolLM2-135M on the CPU (HF
 transformers' LlamaForCausalLM with treeattn's attention, ``treeattn.models.load_smollm2``).
 
 Three stages, each checkpointed so that an interrupted run resumes where it stopped (rerun the same
 command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``),
-its hidden states along those answers become the training rows, then the heads are trained (one
-checkpoint per epoch). The last tenth of the prompts is held out to report each head's accuracy.
+its hidden states along those answers become the training data, then the head is trained (one
+checkpoint per epoch). The last tenth of the prompts is held out to report the accuracy of each
+draft step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..speculative.heads import (
     head_examples,
     save_heads,
     self_distill,
+    shortlist,
     train_heads,
 )
 from .demo import MODEL_NAME, chat_ids, pick_threads
@@ -46,9 +48,11 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_HEADS, help=f"heads file to write (default {DEFAULT_HEADS})")
     parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
                         help="prompts, one per line (default: the 128 shipped with treeattn)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="answer tokens per prompt (default 96)")
-    parser.add_argument("--num-heads", type=int, default=3, help="draft heads (default 3)")
-    parser.add_argument("--epochs", type=int, default=4, help="training epochs (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=160, help="answer tokens per prompt (default 160)")
+    parser.add_argument("--depth", type=int, default=4, help="draft steps the head learns to chain (default 4)")
+    parser.add_argument("--vocab", type=int, default=4096,
+                        help="draft vocabulary: the answers' most frequent tokens (default 4096)")
+    parser.add_argument("--epochs", type=int, default=6, help="training epochs (default 6)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     parser.add_argument("--batch", type=int, default=16, help="prompts generated together (default 16)")
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -64,10 +68,13 @@ def _progress(console: Console) -> Progress:
 def main_train_heads(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     err = Console(stderr=True)
-    for name in ("max_tokens", "num_heads", "epochs", "batch"):
+    for name in ("max_tokens", "depth", "epochs", "batch"):
         if getattr(args, name) < 1:
             err.print(f"[red]--{name.replace('_', '-')} must be >= 1[/red]")
             return 2
+    if args.vocab < 2:
+        err.print("[red]--vocab must be >= 2[/red]")
+        return 2
     if not args.prompts.is_file():
         err.print(f"[red]--prompts: no such file {args.prompts}[/red]")
         return 2
@@ -88,7 +95,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
     # The answers depend on the prompts and their length only: they survive a change of training settings.
     data_config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
                    "max_tokens": args.max_tokens}
-    train_config = {"num_heads": args.num_heads, "epochs": args.epochs, "lr": args.lr}
+    train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr}
     ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
     ckpt = {"data_config": data_config, "train_config": train_config, "outputs": [], "heads": None, "train": None}
     if ckpt_path.is_file():
@@ -109,7 +116,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
         tmp.replace(ckpt_path)  # atomic: an interrupt never leaves half a checkpoint
 
     console.print(f"[bold]{MODEL_NAME}[/bold], {threads} threads{why}: {len(prompts)} prompts, "
-                  f"{args.max_tokens} tokens each, {args.num_heads} heads")
+                  f"{args.max_tokens} tokens each, a {args.depth}-step draft head")
     with _progress(console) as bar, model.attention():  # "treeattn" for every forward of the run
         task = bar.add_task("model answers", total=len(prompts), completed=len(ckpt["outputs"]), info="")
 
@@ -122,11 +129,13 @@ def main_train_heads(args: argparse.Namespace) -> int:
                                progress=lambda d, t, info: bar.update(task, completed=d, info=info))
         held_out = max(1, len(prompts) // 10)
         task = bar.add_task("hidden states", total=len(prompts), info="")
-        x, y = head_examples(model, prompts[:-held_out], outputs[:-held_out], args.num_heads,
+        data = head_examples(model, prompts[:-held_out], outputs[:-held_out],
                              progress=lambda d, t, info: bar.update(task, completed=d))
-        x_eval, y_eval = head_examples(model, prompts[-held_out:], outputs[-held_out:], args.num_heads)
+        held = head_examples(model, prompts[-held_out:], outputs[-held_out:])
         bar.update(task, completed=len(prompts))
-        heads = DraftHeads(model.config.hidden_size, args.num_heads)
+        weights = model.vocab_weights()
+        vocab = shortlist(outputs[:-held_out], weights[1].shape[0], args.vocab)
+        heads = DraftHeads(model.config.hidden_size, vocab, depth=args.depth)
         state = TrainState()
         if ckpt["heads"] is not None:
             heads.load_state_dict(ckpt["heads"])
@@ -138,23 +147,22 @@ def main_train_heads(args: argparse.Namespace) -> int:
             ckpt["train"] = {"epoch": s.epoch, "losses": s.losses, "optimizer": s.optimizer}
             save()
 
-        train_heads(heads, model.logits, x, y, epochs=args.epochs, lr=args.lr, state=state, on_epoch=on_epoch,
+        train_heads(heads, weights, data, epochs=args.epochs, lr=args.lr, state=state, on_epoch=on_epoch,
                     progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
 
-    top1 = head_accuracy(heads, model.logits, x_eval, y_eval, top_k=1)
-    top4 = head_accuracy(heads, model.logits, x_eval, y_eval, top_k=4)
+    top1 = head_accuracy(heads, weights, held, top_k=1)
+    top4 = head_accuracy(heads, weights, held, top_k=4)
     minutes = (time.perf_counter() - started) / 60
-    save_heads(heads, args.out, model=MODEL_NAME, prompts=len(prompts), held_out=held_out, rows=int(x.shape[0]),
-               max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr, top1=top1, top4=top4,
+    save_heads(heads, args.out, model=MODEL_NAME, prompts=len(prompts), held_out=held_out, rows=len(data),
+               max_tokens=args.max_tokens, vocab=len(vocab), epochs=args.epochs, lr=args.lr, top1=top1, top4=top4,
                minutes=round(minutes, 1), threads=threads)
     ckpt_path.unlink(missing_ok=True)
-    table = Table(title=f"held-out accuracy ({held_out} prompts, {int(x_eval.shape[0])} positions)",
-                  box=box.SIMPLE_HEAD)
-    for col in ("head", "guesses", "top-1", "top-4"):
+    table = Table(title=f"held-out accuracy ({held_out} prompts, {len(held)} positions)", box=box.SIMPLE_HEAD)
+    for col in ("draft step", "guesses", "top-1", "top-4"):
         table.add_column(col, justify="right")
     for j, (a1, a4) in enumerate(zip(top1, top4)):
-        table.add_row(str(j), f"token t+{j + 2}", f"{a1:.1%}", f"{a4:.1%}")
+        table.add_row(str(j + 1), f"token t+{j + 2}", f"{a1:.1%}", f"{a4:.1%}")
     console.print(table)
     console.print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) in {minutes:.1f} min; "
-                  f"trained on {int(x.shape[0])} positions of {len(prompts) - held_out} answers")
+                  f"trained on {len(data)} positions of {len(prompts) - held_out} answers")
     return 0

@@ -49,7 +49,8 @@ class HFTreeModel:
     positions the cache planned, so RoPE of any kind (partial, scaled, per layer type) is the model's own.
     A forward outside ``attention()`` switches the model to "treeattn" for its own duration (about
     1.5 ms per forward): callers that run many wrap them in ``with tree_model.attention():``.
-    ``config`` is the model's text config; ``logits(hidden)`` its LM head (for draft heads).
+    ``config`` is the model's text config; ``logits(hidden)`` its LM head, ``vocab_weights()`` its
+    embeddings and LM head weight (for draft heads).
     """
 
     def __init__(self, model):
@@ -77,6 +78,12 @@ class HFTreeModel:
             logits = head(hidden).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(embeddings, lm_head)``: the input token embeddings and the LM head's weight, ``[V, hidden_size]``
+        each, detached: what a feature-level draft head (``speculative.heads``) reads tokens and writes logits with."""
+        embed = self.model.get_input_embeddings().weight.detach()
+        return embed, self.model.get_output_embeddings().weight.detach()
 
     def new_cache(self, num_pages: int, *, page_size: int = 16, backend: str | None = None) -> TreeCache:
         return TreeCache(self.model.config, num_pages=num_pages, page_size=page_size, dtype=self.dtype,

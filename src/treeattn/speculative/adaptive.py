@@ -160,10 +160,10 @@ class StepCost(NamedTuple):
 class CostModel:
     """Step seconds for ``n`` tree nodes in total: ``a + b * n``, plus ``c`` when the step drafts.
 
-    ``c`` is the price of verifying any draft at all, beyond its nodes: the few-row matmuls of a
-    2-4 token step run far below the speed of a one-token decode's (measured on SmolLM2, 1 core:
-    one node 50 ms, two 75 ms, sixteen 178 ms, so ``c`` is about a third of a plain step), and the
-    step takes the tree path (mask, commit). A model without it thinks a single likely node pays
+    ``c`` is the price of verifying any draft at all, beyond its nodes: with PyTorch's own CPU
+    matmuls a 2-4 token step runs far below the speed of a one-token decode (measured on SmolLM2,
+    1 core: one node 50 ms, two 75 ms, sixteen 178 ms, so ``c`` was about a third of a plain step;
+    ``pack_linears`` brings it near 0), and the step takes the tree path (mask, commit). A model without it thinks a single likely node pays
     when it does not, which is how prompts with nothing to look up ran slower than plain decoding.
     Fitted by exponentially weighted least squares (``forget`` per step: recent steps count most,
     so the fit follows the context length and the machine's load). Until steps of several sizes have
