@@ -68,6 +68,10 @@ def test_examples_lay_out_each_answer_and_unroll_within_it(tiny):
     torch.testing.assert_close(states[0], data.hidden[[1, 2]])
     with pytest.raises(ValueError, match="nothing to train on"):
         head_examples(tiny, [[1]], [[2]])
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        head_examples(tiny, [[1, 2], []], [[3, 4], [5, 6]])
+    with pytest.raises(ValueError, match="pair up"):
+        head_examples(tiny, [[1, 2]], [[3, 4], [5, 6]])
 
 
 def test_shortlist_ranks_by_count_then_fills_with_the_lowest_ids():
@@ -110,6 +114,7 @@ def test_training_lowers_the_loss_and_raises_accuracy_at_every_step(tiny):
     assert np.mean(state.losses[-3:]) < 0.6 * np.mean(state.losses[:3])
     after = head_accuracy(heads, weights, data)
     assert all(a > 0.95 and a > b + 0.5 for a, b in zip(after, before)), (before, after)
+    assert head_accuracy(heads, weights, data, top_k=999) == [1.0, 1.0, 1.0]  # top_k beyond the shortlist: all of it
     # Off the shortlist a token is a miss: a head over other tokens never scores.
     blind = DraftHeads(64, [t for t in range(VOCAB) if t not in perm][:16], depth=3)
     assert head_accuracy(blind, weights, data, top_k=16) == [0.0, 0.0, 0.0]
@@ -219,6 +224,35 @@ def test_save_load_round_trip(tmp_path):
     torch.save({"format": "treeattn-draft-heads-1"}, tmp_path / "medusa.pt")
     with pytest.raises(ValueError, match="older treeattn .*rerun `treeattn train-heads`"):
         load_heads(tmp_path / "medusa.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "h.pt").read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable treeattn draft-head file"):
+        load_heads(tmp_path / "cut.pt")
+    blob = torch.load(tmp_path / "h.pt", weights_only=True)
+    del blob["depth"]
+    torch.save(blob, tmp_path / "damaged.pt")
+    with pytest.raises(ValueError, match="damaged treeattn draft-head file"):
+        load_heads(tmp_path / "damaged.pt")
+
+
+def test_find_heads_passes_over_an_unusable_user_file(tmp_path, monkeypatch):
+    from treeattn.speculative import heads as module
+
+    user, shipped = tmp_path / "user.pt", tmp_path / "shipped.pt"
+    save_heads(random_head(depth=1), shipped)
+    monkeypatch.setattr(module, "DEFAULT_HEADS", user)
+    monkeypatch.setattr(module, "PACKAGED_HEADS", shipped)
+    assert module.find_heads() == shipped
+    torch.save({"format": "treeattn-draft-heads-1"}, user)  # an older treeattn's Medusa heads
+    assert module.find_heads() == shipped
+    save_heads(random_head(depth=2), user)
+    assert module.find_heads() == user
+
+
+def test_a_head_trains_in_another_dtype_than_the_models(tiny):
+    _, _, outputs, data = periodic_data(tiny)
+    heads = DraftHeads(64, shortlist(outputs, VOCAB, 16), depth=2).double()  # the model's states are float32
+    state = train_heads(heads, tiny.vocab_weights(), data, epochs=1, batch_rows=64)
+    assert np.isfinite(state.losses).all() and len(head_accuracy(heads, tiny.vocab_weights(), data)) == 2
 
 
 def test_optimizer_checkpoint_loads_weights_only(tiny, tmp_path):
@@ -248,10 +282,11 @@ def test_train_heads_command_writes_a_head(tiny, tmp_path, monkeypatch, capsys):
     assert args.run(args) == 0
     heads, meta = load_heads(tmp_path / "h.pt")
     assert heads.depth == 2 and heads.vocab.numel() == 20 and len(meta["top1"]) == 2 and meta["prompts"] == 4
+    assert all(0 <= a <= b <= 1 for a, b in zip(meta["top1"], meta["top4"]))
     assert not (tmp_path / "h.ckpt").exists()  # removed once training ended
     assert "draft step" in capsys.readouterr().out
     for bad_args, flag in ((["--prompts", str(tmp_path / "missing.txt")], "--prompts"), (["--vocab", "1"], "--vocab"),
-                           (["--depth", "0"], "--depth")):
+                           (["--depth", "0"], "--depth"), (["--max-tokens", "1"], "--max-tokens")):
         bad = build_parser().parse_args(argv[:1] + bad_args)
         assert bad.run(bad) == 2
         assert flag in capsys.readouterr().err

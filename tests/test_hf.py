@@ -205,7 +205,8 @@ def test_tree_cache_keeps_trees_over_rounds_and_commits(family):
 
 
 def test_drafter_gets_the_models_final_hidden_state():
-    """Drafters that read the target's state (draft heads) get HF's last hidden state of each context's last token."""
+    """Drafters that read the target's state (draft heads) get HF's last hidden state at the token
+    before each context's last (the one that predicted it)."""
     model = _model("qwen3")
     ids, mask = _prompts([5, 8])
     seen = []

@@ -51,6 +51,43 @@ def test_a_changed_weight_is_repacked_and_an_unpackable_one_falls_back():
         torch.testing.assert_close(packed(x.double()), reference(x, packed), atol=1e-10, rtol=1e-10)
 
 
+def test_a_weight_written_through_data_is_seen_after_repack():
+    linear = nn.Linear(64, 32)
+    model = nn.Sequential(linear)
+    pack_linears(model)
+    x = torch.randn(3, 64)
+    linear.weight.data.copy_(torch.randn(32, 64))  # bypasses the version counter
+    model[0].repack()
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x).double(), reference(x, linear), atol=1e-4, rtol=1e-5)
+    linear.weight.data.mul_(3.0)
+    assert pack_linears(model) == 0  # repacks the layers already packed
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x).double(), reference(x, linear), atol=1e-4, rtol=1e-5)
+
+
+def test_a_plain_constructed_layer_packs_lazily_and_hooked_layers_are_left_alone():
+    torch.manual_seed(0)
+    lazy = PackedLinear(16, 8).eval()
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(lazy(x).double(), reference(x, lazy), atol=1e-5, rtol=1e-5)
+    hooked = nn.Sequential(nn.Linear(16, 8).eval(), nn.Linear(8, 4))
+    hooked[0].register_forward_hook(lambda *args: None)
+    assert pack_linears(hooked) == 1 and type(hooked[0]) is nn.Linear and isinstance(hooked[1], PackedLinear)
+    assert not hooked[1].training or hooked.training  # the layer keeps its train/eval mode
+    plain = nn.Linear(16, 8).eval()
+    assert PackedLinear.of(plain).training is False
+
+
+def test_a_trainable_bias_gets_its_gradient():
+    linear = nn.Linear(16, 8)
+    linear.weight.requires_grad_(False)  # BitFit: only biases train
+    packed = PackedLinear.of(linear)
+    packed(torch.randn(4, 16)).sum().backward()
+    torch.testing.assert_close(linear.bias.grad, torch.full((8,), 4.0))
+
+
 def test_autograd_runs_through_f_linear():
     torch.manual_seed(0)
     linear = nn.Linear(16, 8)

@@ -47,7 +47,7 @@ from .demo import MODEL_NAME, chat_ids, pick_threads
 def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_HEADS, help=f"heads file to write (default {DEFAULT_HEADS})")
     parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
-                        help="prompts, one per line (default: the 128 shipped with treeattn)")
+                        help="prompts, one per line (default: the 644 shipped with treeattn)")
     parser.add_argument("--max-tokens", type=int, default=160, help="answer tokens per prompt (default 160)")
     parser.add_argument("--depth", type=int, default=4, help="draft steps the head learns to chain (default 4)")
     parser.add_argument("--vocab", type=int, default=4096,
@@ -72,8 +72,8 @@ def main_train_heads(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             err.print(f"[red]--{name.replace('_', '-')} must be >= 1[/red]")
             return 2
-    if args.vocab < 2:
-        err.print("[red]--vocab must be >= 2[/red]")
+    if args.vocab < 2 or args.max_tokens < 2:
+        err.print("[red]--vocab and --max-tokens must be >= 2 (a draft guesses the token after the next)[/red]")
         return 2
     if not args.prompts.is_file():
         err.print(f"[red]--prompts: no such file {args.prompts}[/red]")
@@ -129,9 +129,13 @@ def main_train_heads(args: argparse.Namespace) -> int:
                                progress=lambda d, t, info: bar.update(task, completed=d, info=info))
         held_out = max(1, len(prompts) // 10)
         task = bar.add_task("hidden states", total=len(prompts), info="")
-        data = head_examples(model, prompts[:-held_out], outputs[:-held_out],
-                             progress=lambda d, t, info: bar.update(task, completed=d))
-        held = head_examples(model, prompts[-held_out:], outputs[-held_out:])
+        try:
+            data = head_examples(model, prompts[:-held_out], outputs[:-held_out],
+                                 progress=lambda d, t, info: bar.update(task, completed=d))
+            held = head_examples(model, prompts[-held_out:], outputs[-held_out:])
+        except ValueError as exc:  # e.g. every answer ended at once (EOS)
+            err.print(f"[red]treeattn train-heads: the answers cannot train a head: {exc}[/red]")
+            return 2
         bar.update(task, completed=len(prompts))
         weights = model.vocab_weights()
         vocab = shortlist(outputs[:-held_out], weights[1].shape[0], args.vocab)

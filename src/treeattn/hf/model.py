@@ -81,7 +81,8 @@ class HFTreeModel:
 
     def vocab_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(embeddings, lm_head)``: the input token embeddings and the LM head's weight, ``[V, hidden_size]``
-        each, detached: what a feature-level draft head (``speculative.heads``) reads tokens and writes logits with."""
+        each, detached: what a feature-level draft head (``speculative.heads``) reads tokens and writes logits with
+        (without an LM head bias or a final logit soft-cap: drafts only steer speed, never the output)."""
         embed = self.model.get_input_embeddings().weight.detach()
         return embed, self.model.get_output_embeddings().weight.detach()
 

@@ -82,6 +82,8 @@ class DraftHeads(nn.Module):
         vocab = torch.as_tensor(vocab, dtype=torch.int64).flatten()
         if vocab.numel() < 2 or (vocab < 0).any() or vocab.unique().numel() != vocab.numel():
             raise ValueError("vocab must hold at least two distinct token ids >= 0")
+        if inner_size is not None and (not isinstance(inner_size, int) or inner_size < 1):
+            raise ValueError(f"inner_size must be an int >= 1 (or None: twice hidden_size), got {inner_size!r}")
         inner = inner_size or 2 * hidden_size
         self.hidden_size, self.depth = hidden_size, depth
         self.register_buffer("vocab", vocab)
@@ -104,9 +106,9 @@ class DraftHeads(nn.Module):
     def check_model(self, weights: VocabWeights) -> None:
         """``ValueError`` unless ``weights`` (a model's ``vocab_weights()``) fit this head."""
         embed, lm = weights
-        if embed.shape[-1] != self.hidden_size or lm.shape[-1] != self.hidden_size:
-            raise ValueError(f"the draft head reads hidden states of size {self.hidden_size}, "
-                             f"the model's are {lm.shape[-1]}")
+        for what, w in (("hidden states", lm), ("token embeddings", embed)):
+            if w.shape[-1] != self.hidden_size:
+                raise ValueError(f"the draft head reads {what} of size {self.hidden_size}, the model's are {w.shape[-1]}")
         if int(self.vocab.max()) >= min(embed.shape[0], lm.shape[0]):
             raise ValueError(f"the draft head's vocabulary has token {int(self.vocab.max())}, "
                              f"beyond the model's {min(embed.shape[0], lm.shape[0])} tokens")
@@ -134,22 +136,37 @@ def save_heads(heads: DraftHeads, path: str | Path, **metadata) -> None:
 
 def load_heads(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[DraftHeads, dict]:
     """``(heads, metadata)`` from ``save_heads``; ``ValueError`` for a file of another kind."""
-    blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    try:
+        blob = torch.load(Path(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated, corrupt or not a torch file at all
+        raise ValueError(f"{path} is not a readable treeattn draft-head file ({type(exc).__name__}: {exc})") from None
     if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
         older = isinstance(blob, dict) and str(blob.get("format", "")).startswith("treeattn-draft-heads")
         why = "was made by an older treeattn (Medusa heads): rerun `treeattn train-heads`" if older else \
             "is not a treeattn draft-head file (saved by save_heads)"
         raise ValueError(f"{path} {why}")
-    state = blob["state_dict"]
-    heads = DraftHeads(int(blob["hidden_size"]), state["vocab"], depth=int(blob["depth"]),
-                       inner_size=int(blob["inner_size"]))
-    heads.load_state_dict(state)
-    return heads.to(dtype).eval(), dict(blob["metadata"])
+    try:
+        state = blob["state_dict"]
+        heads = DraftHeads(int(blob["hidden_size"]), state["vocab"], depth=int(blob["depth"]),
+                           inner_size=int(blob["inner_size"]))
+        heads.load_state_dict(state)
+        metadata = dict(blob["metadata"])
+    except (KeyError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"{path} is a damaged treeattn draft-head file ({type(exc).__name__}: {exc})") from None
+    return heads.to(dtype).eval(), metadata
 
 
 def find_heads() -> Path | None:
-    """SmolLM2-135M's draft head: the user's (``DEFAULT_HEADS``), else the shipped one, else None."""
-    return next((p for p in (DEFAULT_HEADS, PACKAGED_HEADS) if p.is_file()), None)
+    """SmolLM2-135M's draft head: the user's (``DEFAULT_HEADS``) if it loads (an older treeattn's
+    Medusa heads there do not), else the shipped one, else None."""
+    for path in (DEFAULT_HEADS, PACKAGED_HEADS):
+        if path.is_file():
+            try:
+                load_heads(path)
+            except ValueError:
+                continue
+            return path
+    return None
 
 
 class HeadDrafter:
@@ -204,13 +221,13 @@ class HeadDrafter:
         owner = list(range(n))  # the frontier's rows: their context, node, state and token
         front = [0] * n
         state = hidden.to(self.embed.dtype)
-        tokens = torch.tensor(roots)
+        tokens = torch.tensor(roots, device=self.embed.device)
         k = min(self.top_k, self.heads.vocab.numel())
         levels = min(self.heads.depth, self.budget - 1)
         for _ in range(levels):
             state = self.heads(state, self.embed[tokens])
             top = torch.topk(torch.softmax(self.project(state), dim=-1), k, dim=-1)
-            probs, picks = top.values.double().numpy(), self.heads.vocab[top.indices].numpy()
+            probs, picks = top.values.double().cpu().numpy(), self.heads.vocab[top.indices].cpu().numpy()
             children: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n)]  # (score, node, row, rank)
             for row, (b, parent) in enumerate(zip(owner, front)):
                 score = nodes[b][parent][3]
@@ -220,7 +237,7 @@ class HeadDrafter:
             rows, owner, front = [], [], []
             for b in range(n):
                 for score, node, row, r in sorted(children[b], key=lambda c: -c[0])[:self.width]:
-                    if score >= self.min_score:  # below it neither the node nor its children would be verified
+                    if score >= self.min_score:  # children of so unlikely a node would never be verified
                         rows.append((row, r))
                         owner.append(b)
                         front.append(node)
@@ -228,7 +245,7 @@ class HeadDrafter:
                 break
             index = torch.tensor([row for row, _ in rows])
             state = state[index]
-            tokens = torch.from_numpy(picks[[row for row, _ in rows], [r for _, r in rows]])
+            tokens = torch.from_numpy(picks[[row for row, _ in rows], [r for _, r in rows]]).to(self.embed.device)
         return [self._best(drafted) for drafted in nodes]
 
     def _best(self, drafted: list[tuple[int, int, float, float]]) -> Candidates:
@@ -300,6 +317,12 @@ class HeadData:
     next_token: torch.Tensor  # int64 [N]
     end: torch.Tensor  # int64 [N]
 
+    def __post_init__(self) -> None:
+        n = self.hidden.shape[0]
+        if self.hidden.dim() != 2 or self.next_token.shape != (n,) or self.end.shape != (n,):
+            raise ValueError(f"HeadData needs hidden [N, H], next_token [N] and end [N], got "
+                             f"{tuple(self.hidden.shape)}, {tuple(self.next_token.shape)}, {tuple(self.end.shape)}")
+
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
@@ -318,9 +341,13 @@ def head_examples(model, prompts: Sequence[Sequence[int]], outputs: Sequence[Seq
                   progress: Progress | None = None) -> HeadData:
     """``HeadData`` of ``model``'s answers ``outputs`` to ``prompts`` (one causal forward each): every
     position from the prompt's last token to the answer's second-to-last."""
+    if len(prompts) != len(outputs):
+        raise ValueError(f"prompts and outputs must pair up, got {len(prompts)} and {len(outputs)}")
     hidden, nxt, end = [], [], []
     total = 0
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] is empty: an answer needs the prompt token that predicted it")
         if len(out) >= 2:
             seq = list(prompt) + list(out)
             first = len(prompt) - 1  # this position's next token is the answer's first
@@ -348,11 +375,13 @@ def _unrolled(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: to
     """Per step: the guessed states ``[R, hidden]``, the true ones and the token targets as shortlist
     positions (``-100`` where the answer ended or the token is not on the shortlist)."""
     embed, lm = weights
+    dtype = heads.fuse.weight.dtype
     index = torch.full((embed.shape[0],), -100, dtype=torch.int64)
     index[heads.vocab] = torch.arange(heads.vocab.numel())
     feed, true_states, targets = data.unroll(rows, depth)
     targets = torch.where(targets >= 0, index[targets.clamp(min=0)], -100)
-    state, steps = data.hidden[rows], []
+    embed, true_states = embed.to(dtype), true_states.to(dtype)
+    state, steps = data.hidden[rows].to(dtype), []
     for d in range(depth):
         state = heads(state, embed[feed[:, d]])
         steps.append((state, true_states[:, d], targets[:, d]))
@@ -360,7 +389,7 @@ def _unrolled(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: to
 
 
 def _loss(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: torch.Tensor) -> torch.Tensor:
-    out = weights[1][heads.vocab]
+    out = weights[1][heads.vocab].to(heads.fuse.weight.dtype)
     total = torch.zeros(())
     for state, true_state, target in _unrolled(heads, weights, data, rows, heads.depth):
         ok = target >= 0
@@ -381,6 +410,9 @@ def train_heads(heads: DraftHeads, weights: VocabWeights, data: HeadData, *, epo
     """
     if not isinstance(data, HeadData):
         raise TypeError(f"data must be HeadData (from head_examples), got {type(data).__name__}")
+    for name, value in (("epochs", epochs), ("batch_rows", batch_rows)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     heads.check_model(weights)
     weights = (weights[0].detach(), weights[1].detach())
     state = state or TrainState()
@@ -417,7 +449,8 @@ def head_accuracy(heads: DraftHeads, weights: VocabWeights, data: HeadData, top_
     """Per draft step ``d``, the share of positions whose token ``d + 1`` ahead the head has among its
     ``top_k`` guesses, every step fed the true tokens before it (the path a draft must match) and the
     head's own states (as when drafting). Tokens off the shortlist count as misses."""
-    out = weights[1][heads.vocab]
+    out = weights[1][heads.vocab].to(heads.fuse.weight.dtype)
+    top_k = min(top_k, heads.vocab.numel())
     hits, count = torch.zeros(heads.depth), torch.zeros(heads.depth)
     for s in range(0, len(data), batch_rows):
         rows = torch.arange(s, min(s + batch_rows, len(data)))
