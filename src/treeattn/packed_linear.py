@@ -2,10 +2,10 @@
 
 PyTorch's CPU ``F.linear`` runs a one-row input as a matrix-vector product but a few rows as a
 general GEMM that repacks the weight on every call: on SmolLM2-135M (2 Zen 3 cores, fp32) a 2-token
-forward took 81 ms against 52 ms for one token, so every draft tree started 55% behind plain
-decoding. oneDNN's inner product on a weight packed once (what vLLM's CPU backend and inductor's
-freezing pass do) reads the packed weight at nearly the bandwidth limit for 1 to 16 rows: the same
-forwards take 46 ms for one token, 48 ms for 2 and 59 ms for 8 (``bench/results/speculative.md``).
+forward took 1.5x a 1-token one, so every draft tree started half a step behind plain decoding.
+oneDNN's inner product on a weight packed once (what vLLM's CPU backend and inductor's freezing pass
+do) keeps few-row products near the cost of one row: packed, 2 tokens cost 1.05x one token and 8
+tokens 1.25x (``bench/packed_linear.py``, ``bench/results/packed-linear.md``).
 
 ``pack_linears(model)`` swaps every plain ``nn.Linear`` of a CPU model whose weight oneDNN can pack
 for a ``PackedLinear`` that shares its parameters (tied embeddings stay tied) and keeps one packed

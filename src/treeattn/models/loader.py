@@ -76,7 +76,8 @@ def _wrap(hf_model, device: torch.device | str, source: str):
     ``.model.set_attn_implementation("sdpa")`` to use the HF model on its own again), with its linear
     layers prepacked for oneDNN on the CPU (``treeattn.packed_linear.pack_linears``: tree steps cost about a plain
     step, not half as much again)."""
-    from ..hf import ATTN_IMPLEMENTATION, HFTreeModel, check_model, pack_linears
+    from ..hf import ATTN_IMPLEMENTATION, HFTreeModel, check_model
+    from ..packed_linear import pack_linears
 
     try:
         check_model(hf_model)

@@ -371,10 +371,10 @@ class TrainState:
     optimizer: dict | None = None
 
 
-def _unrolled(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: torch.Tensor, depth: int):
-    """Per step: the guessed states ``[R, hidden]``, the true ones and the token targets as shortlist
-    positions (``-100`` where the answer ended or the token is not on the shortlist)."""
-    embed, lm = weights
+def _unrolled(heads: DraftHeads, embed: torch.Tensor, data: HeadData, rows: torch.Tensor):
+    """Per draft step: the guessed states ``[R, hidden]``, the true ones and the token targets as
+    shortlist positions (``-100`` where the answer ended or the token is not on the shortlist)."""
+    depth = heads.depth
     dtype = heads.fuse.weight.dtype
     index = torch.full((embed.shape[0],), -100, dtype=torch.int64)
     index[heads.vocab] = torch.arange(heads.vocab.numel())
@@ -391,7 +391,7 @@ def _unrolled(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: to
 def _loss(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: torch.Tensor) -> torch.Tensor:
     out = weights[1][heads.vocab].to(heads.fuse.weight.dtype)
     total = torch.zeros(())
-    for state, true_state, target in _unrolled(heads, weights, data, rows, heads.depth):
+    for state, true_state, target in _unrolled(heads, weights[0], data, rows):
         ok = target >= 0
         if ok.any():  # tokens by cross-entropy, states (EAGLE's feature regression) by smooth L1
             total = total + F.cross_entropy(state[ok] @ out.t(), target[ok]) + \
@@ -455,7 +455,7 @@ def head_accuracy(heads: DraftHeads, weights: VocabWeights, data: HeadData, top_
     for s in range(0, len(data), batch_rows):
         rows = torch.arange(s, min(s + batch_rows, len(data)))
         _, _, raw = data.unroll(rows, heads.depth)
-        for d, (state, _, target) in enumerate(_unrolled(heads, weights, data, rows, heads.depth)):
+        for d, (state, _, target) in enumerate(_unrolled(heads, weights[0], data, rows)):
             top = torch.topk(state @ out.t(), top_k, dim=-1).indices
             hits[d] += ((top == target[:, None]).any(-1) & (target >= 0)).sum()
             count[d] += (raw[:, d] >= 0).sum()
