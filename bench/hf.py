@@ -28,14 +28,14 @@ MAX_NEW = 128
 
 def _paths(tree, budget: int, eos: int):
     from treeattn import NGramDrafter
-    from treeattn.cli.demo import build_drafter
     from treeattn.hf import speculative_generate
     from treeattn.speculative import generate
     from treeattn.speculative.adaptive import probe_cost
+    from treeattn.speculative.choice import build_drafter
 
     hf = tree.model
     hf.set_attn_implementation("sdpa")  # HF's own attention; the treeattn paths switch to theirs per call
-    drafter, described = build_drafter("auto", tree, budget)
+    drafter, described = build_drafter("auto", tree.vocab_weights(), budget)
     with tree.attention():
         probe_cost(tree, drafter.cost)  # as the demo does: the cost model starts from timed forwards
 

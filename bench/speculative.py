@@ -29,13 +29,13 @@ import torch
 from treeattn.cli.demo import (
     BUILTIN_PROMPTS,
     MODEL_NAME,
-    build_drafter,
     chat_ids,
     pick_threads,
 )
 from treeattn.models.loader import load_smollm2
 from treeattn.speculative import NGramDrafter
 from treeattn.speculative.adaptive import probe_cost
+from treeattn.speculative.choice import build_drafter
 from treeattn.speculative.generate import generate
 from treeattn.speculative.heads import find_heads
 
@@ -53,7 +53,7 @@ def make(method: str, model, budget: int):
         return None
     if method == "ngram full":
         return NGramDrafter(16)
-    drafter, _ = build_drafter(method, model, budget)
+    drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME)
     probe_cost(model, drafter.cost)  # as the demo does: the cost model starts from timed forwards
     return drafter
 

@@ -154,6 +154,43 @@ def test_sources_merge_by_path_with_the_best_probability():
     assert tree.size == 4
 
 
+class Asked(FixedChains):
+    """``FixedChains`` that records the contexts' last tokens and the hidden rows it was asked about."""
+
+    def __init__(self, tokens, p=0.9):
+        super().__init__(tokens, p)
+        self.asked = []
+
+    def candidates(self, contexts, hidden=None):
+        self.asked.append(([int(c[-1]) for c in contexts], None if hidden is None else hidden[:, 0].tolist()))
+        return super().candidates(contexts, hidden)
+
+
+class SureAfterOne:
+    """Three likely nodes after a context ending in 1, nothing after any other."""
+
+    def candidates(self, contexts, hidden=None):
+        return [FixedChains([5, 6, 7]).candidates([c])[0] if c[-1] == 1 else Candidates.root_only(int(c[-1]))
+                for c in contexts]
+
+
+def test_a_later_source_is_asked_only_where_the_earlier_ones_are_unsure():
+    import torch
+
+    contexts, hidden = [np.array([1]), np.array([2]), np.array([3])], torch.tensor([[10.0], [20.0], [30.0]])
+    later = Asked([8], p=0.5)
+    drafter = AdaptiveDrafter(SureAfterOne(), later, cost=measured(CostModel(forget=1.0), 0.05, 0.0001))
+    trees = drafter.propose(contexts, hidden=hidden)
+    assert later.asked == [([2, 3], [20.0, 30.0])]  # 0.9 + 0.81 + 0.73 expected tokens after 1: enough
+    assert trees[0].tokens.tolist() == [1, 5, 6, 7] and trees[1].tokens.tolist() == [2, 8]
+    drafter.observe([[5, 6, 7, 9], [8, 4], [8, 4]], 0.06)  # a source not asked learns nothing there
+    assert drafter.calibrators[1].trials == pytest.approx({7: 1 + 0.98})  # two labels (decay 0.98), none for 1
+    everywhere = Asked([8], p=0.5)
+    AdaptiveDrafter(SureAfterOne(), everywhere, enough=None, cost=measured(CostModel(forget=1.0), 0.05, 0.0001)
+                    ).propose(contexts, hidden=hidden)
+    assert everywhere.asked == [([1, 2, 3], [10.0, 20.0, 30.0])]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=4),
        st.floats(0.0, 1.0), st.floats(1e-4, 0.05), st.integers(1, 12), st.sampled_from([0.0, 0.01, 0.05]))
@@ -188,6 +225,8 @@ def test_arguments_are_checked():
         AdaptiveDrafter(object())
     with pytest.raises(ValueError, match="max_nodes"):
         AdaptiveDrafter(FixedChains([1]), max_nodes=0)
+    with pytest.raises(ValueError, match="enough must be > 0 or None"):
+        AdaptiveDrafter(FixedChains([1]), enough=0)
     with pytest.raises(ValueError, match="forget"):
         CostModel(forget=0)
     with pytest.raises(ValueError, match="seconds_to_draft"):

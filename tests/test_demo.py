@@ -18,7 +18,7 @@ from tests.helpers import VOCAB, tiny_hf
 from tests.helpers import tiny_model as make_tiny_model
 from treeattn.cli import demo
 from treeattn.models import loader
-from treeattn.speculative import NGramDrafter
+from treeattn.speculative import NGramDrafter, choice
 from treeattn.speculative.adaptive import AdaptiveDrafter
 from treeattn.speculative.generate import generate
 from treeattn.speculative.heads import DraftHeads, HeadDrafter, save_heads
@@ -56,40 +56,40 @@ def tiny_model():
 
 
 def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(demo, "find_heads", lambda: None)
+    monkeypatch.setattr(choice, "find_heads", lambda: None)
     for kind, names in (("ngram", ["NGramDrafter"]), ("suffix", ["SuffixDrafter"]), ("auto", ["SuffixDrafter"])):
-        drafter, described = demo.build_drafter(kind, tiny_model, 12)
+        drafter, described = choice.build_drafter(kind, tiny_model.vocab_weights(), 12)
         assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 12
         assert [type(s).__name__ for s in drafter.sources] == names and "adaptive" in described
     with pytest.raises(ValueError, match="treeattn train-heads"):
-        demo.build_drafter("heads", tiny_model, 12)
-    with pytest.raises(ValueError, match="--heads: no such file"):
-        demo.build_drafter("heads", tiny_model, 12, heads=tmp_path / "missing.pt")
+        choice.build_drafter("heads", tiny_model.vocab_weights(), 12)
+    with pytest.raises(ValueError, match="heads: no such file"):
+        choice.build_drafter("heads", tiny_model.vocab_weights(), 12, heads=tmp_path / "missing.pt")
     save_heads(DraftHeads(64, range(16)), tmp_path / "h.pt")
-    drafter, _ = demo.build_drafter("auto", tiny_model, 12, heads=tmp_path / "h.pt")
+    drafter, _ = choice.build_drafter("auto", tiny_model.vocab_weights(), 12, heads=tmp_path / "h.pt")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "HeadDrafter"]
-    drafter, described = demo.build_drafter("heads", tiny_model, 12, heads=tmp_path / "h.pt", full_trees=True)
+    drafter, described = choice.build_drafter("heads", tiny_model.vocab_weights(), 12, heads=tmp_path / "h.pt", full_trees=True)
     assert isinstance(drafter, HeadDrafter) and "full" in described
-    with pytest.raises(ValueError, match="--full-trees"):
-        demo.build_drafter("auto", tiny_model, 12, heads=tmp_path / "h.pt", full_trees=True)
+    with pytest.raises(ValueError, match="full trees verify one drafter"):
+        choice.build_drafter("auto", tiny_model.vocab_weights(), 12, heads=tmp_path / "h.pt", full_trees=True)
 
 
 def test_heads_for_another_model_are_refused_or_skipped(tiny_model, tmp_path, monkeypatch):
     save_heads(DraftHeads(64, range(16)), tmp_path / "smol.pt", model=demo.MODEL_NAME)
-    monkeypatch.setattr(demo, "find_heads", lambda: tmp_path / "smol.pt")  # the default: SmolLM2's heads
-    drafter, described = demo.build_drafter("auto", tiny_model, 12, model_name="tiny (LlamaForCausalLM)")
+    monkeypatch.setattr(choice, "find_heads", lambda: tmp_path / "smol.pt")  # the default: SmolLM2's heads
+    drafter, described = choice.build_drafter("auto", tiny_model.vocab_weights(), 12, model_name="tiny (LlamaForCausalLM)")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
     assert f"trained for {demo.MODEL_NAME}, not tiny" in described
-    with pytest.raises(ValueError, match="--drafter heads: .*trained for SmolLM2"):
-        demo.build_drafter("heads", tiny_model, 12, model_name="tiny (LlamaForCausalLM)")
+    with pytest.raises(ValueError, match="drafter 'heads': .*trained for SmolLM2"):
+        choice.build_drafter("heads", tiny_model.vocab_weights(), 12, model_name="tiny (LlamaForCausalLM)")
     save_heads(DraftHeads(32, range(16)), tmp_path / "narrow.pt")  # no model named: the hidden size decides
     with pytest.raises(ValueError, match="hidden states of size 32, the model's are 64"):
-        demo.build_drafter("heads", tiny_model, 12, heads=tmp_path / "narrow.pt")
+        choice.build_drafter("heads", tiny_model.vocab_weights(), 12, heads=tmp_path / "narrow.pt")
     save_heads(DraftHeads(64, [3, VOCAB]), tmp_path / "wide.pt")  # a token the model does not have
     with pytest.raises(ValueError, match=f"vocabulary has token {VOCAB}, beyond the model's {VOCAB} tokens"):
-        demo.build_drafter("heads", tiny_model, 12, heads=tmp_path / "wide.pt")
+        choice.build_drafter("heads", tiny_model.vocab_weights(), 12, heads=tmp_path / "wide.pt")
     torch.save({"format": "treeattn-draft-heads-1"}, tmp_path / "medusa.pt")  # an older treeattn's heads
-    drafter, described = demo.build_drafter("auto", tiny_model, 12, heads=tmp_path / "medusa.pt")
+    drafter, described = choice.build_drafter("auto", tiny_model.vocab_weights(), 12, heads=tmp_path / "medusa.pt")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"] and "rerun `treeattn train-heads`" in described
 
 
@@ -132,7 +132,7 @@ def test_demo_table_names_the_model_and_path(tiny_folder, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert code == 0
     assert "LlamaForCausalLM via treeattn attention, from" in text and tiny_folder.name in text
-    assert "no draft heads: the draft head was trained for SmolLM2" in text  # never for another model
+    assert "no draft head: the draft head was trained for SmolLM2" in text  # never for another model
 
 
 def test_demo_model_path_errors_name_the_reason(tiny_folder, tmp_path, capsys):

@@ -46,7 +46,7 @@ def run_engine(tmp: Path, model: Path, jobs: list[dict], *, treeattn: bool, tp: 
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"engine {name} failed:\n{log[-6000:]}"
     assert (SELECTED in log) == treeattn, f"engine {name}: treeattn selected = {SELECTED in log}:\n{log[-3000:]}"
-    return json.loads(result.read_text())
+    return {**json.loads(result.read_text()), "log": log}
 
 
 def tiny_qwen2(folder: Path, *, heads: int, kv_heads: int, vocab: int = 512) -> Path:
@@ -239,9 +239,11 @@ def smollm2_runs(smollm2, smollm2_jobs, tmp_path_factory) -> dict[str, dict]:
                                      "prompt_lookup_min": 1}}
     runs = {name: run_engine(tmp, smollm2, smollm2_jobs, treeattn=name == "treeattn", **engine)
             for name in ("cpu_attn", "treeattn")}
-    # treeattn's trees from its n-gram tree drafter (the default), in place of vLLM's chains
+    # treeattn's trees in place of vLLM's chains, from "auto": the suffix drafter and the shipped draft
+    # head, which reads vLLM's hidden states, embeddings and LM head
     del engine["speculative_config"]
-    runs["treeattn-tree"] = run_engine(tmp, smollm2, smollm2_jobs, treeattn=True, tree={"nodes": 8}, **engine)
+    runs["treeattn-tree"] = run_engine(tmp, smollm2, smollm2_jobs, treeattn=True, tree={"nodes": 8, "drafter": "auto"},
+                                       **engine)
     return runs
 
 
@@ -252,6 +254,10 @@ def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job, run):
     max_tokens = next(j["max_tokens"] for j in smollm2_jobs if j["name"] == job)
     assert all(len(t) == max_tokens for t in ours)
     assert ours == theirs
+
+
+def test_the_draft_head_drafts_inside_vllm(smollm2_runs):
+    assert "SuffixDrafter + HeadDrafter, adaptive trees of up to 8 nodes" in smollm2_runs["treeattn-tree"]["log"]
 
 
 def test_ngram_drafts_were_verified_and_accepted(smollm2_runs):
@@ -312,7 +318,8 @@ def tiny_tree_runs(tmp_path_factory) -> dict:
               "enable_prefix_caching": True}
     plain = run_engine(tmp, model, jobs, treeattn=False, **engine)
     truths = [[p, t] for p, t in zip(prompts, plain["tokens"]["greedy"])]
-    oracle = {"class": "tests.vllm_drafters.OracleDrafter", "kwargs": {"truths": truths, "vocab": 512}}
+    # The oracle also checks every hidden state it is given (see tests.vllm_drafters).
+    oracle = {"class": "tests.vllm_drafters.HiddenCheckingOracle", "kwargs": {"truths": truths, "vocab": 512}}
     tree = run_engine(tmp, model, jobs, treeattn=True, tree={"nodes": 12, "drafter": oracle}, **engine)
     return {"plain": plain, "tree": tree}
 

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-import base64
-import pickle
 import types
 
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import VOCAB
 from treeattn.speculative import DraftTree, NGramDrafter
 from treeattn.speculative.adaptive import AdaptiveDrafter
+from treeattn.speculative.heads import DraftHeads, HeadDrafter, save_heads
 from treeattn.vllm import tree_speculative_config
-from treeattn.vllm.speculative import DRAFTER_ENV_VAR, TreeProposer, _Step, plain_decoding_reason
+from treeattn.vllm.speculative import DRAFTER_ENV_VAR, DrafterByName, TreeProposer, _Step, _unshare, plain_decoding_reason
 
 
 @pytest.fixture
@@ -26,18 +26,51 @@ def env(monkeypatch):
 def _shipped():
     import os
 
-    return pickle.loads(base64.b64decode(os.environ[DRAFTER_ENV_VAR]))
+    return _unshare(os.environ[DRAFTER_ENV_VAR])
+
+
+WEIGHTS = (torch.randn(VOCAB, 64), torch.randn(VOCAB, 64))  # a tiny target's (embeddings, lm_head)
 
 
 def test_config_names_the_proposer_and_ships_the_drafter(env):
     config = tree_speculative_config(nodes=10)
     assert config == {"method": "custom_class", "model": "treeattn.vllm.speculative.TreeProposer",
                       "num_speculative_tokens": 9}
-    drafter = _shipped()  # adaptive by default: trees cut to what pays, within the node budget
+    shipped = _shipped()  # a name: built in vLLM's worker, adaptive by default (trees cut to what pays)
+    assert shipped == DrafterByName("ngram", 10)
+    drafter = shipped.bind(WEIGHTS)
     assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 10
     assert isinstance(drafter.sources[0], NGramDrafter) and drafter.sources[0].budget == 10
     tree_speculative_config(nodes=10, adaptive=False)
-    assert isinstance(_shipped(), NGramDrafter)
+    assert isinstance(_shipped().bind(WEIGHTS), NGramDrafter)
+    tree_speculative_config(nodes=10, drafter=NGramDrafter(10))  # a drafter object travels pickled
+    assert isinstance(_shipped(), AdaptiveDrafter)
+
+
+def test_a_draft_head_by_name_binds_to_the_targets_weights(env, tmp_path):
+    save_heads(DraftHeads(64, range(16)), tmp_path / "h.pt")
+    tree_speculative_config(nodes=8, drafter="heads", heads=tmp_path / "h.pt", adaptive=False)
+    drafter = _shipped().bind(WEIGHTS)
+    assert isinstance(drafter, HeadDrafter) and drafter.budget == 8
+    assert torch.equal(drafter.embed, WEIGHTS[0])  # it reads the target's embeddings and LM head rows
+    assert torch.equal(drafter.project[0].weight, WEIGHTS[1][:16])
+    tree_speculative_config(nodes=8, drafter="auto", heads=tmp_path / "h.pt")
+    assert [type(s).__name__ for s in _shipped().bind(WEIGHTS).sources] == ["SuffixDrafter", "HeadDrafter"]
+    narrow = (torch.randn(VOCAB, 32), torch.randn(VOCAB, 32))  # a target the head does not fit
+    assert [type(s).__name__ for s in _shipped().bind(narrow).sources] == ["SuffixDrafter"]  # auto goes on without
+    tree_speculative_config(nodes=8, drafter="heads", heads=tmp_path / "h.pt")
+    with pytest.raises(ValueError, match="drafter 'heads': .*hidden states of size 64, the model's are 32"):
+        _shipped().bind(narrow)
+
+
+def test_a_large_drafter_travels_in_a_file(env):
+    import os
+
+    big = _Recorder()
+    big.table = np.arange(100_000)  # pickles to more than an environment string may hold
+    tree_speculative_config(nodes=4, drafter=big, adaptive=False)
+    assert os.environ[DRAFTER_ENV_VAR].startswith("file:")
+    assert np.array_equal(_shipped().table, big.table)
 
 
 class _Recorder:
@@ -81,7 +114,10 @@ class _Unpicklable:
     ({"nodes": 1}, ValueError, "nodes must be an integer >= 2"),
     ({"nodes": True}, ValueError, "nodes must be an integer >= 2"),
     ({"nodes": 4.0}, ValueError, "nodes must be an integer >= 2"),
-    ({"drafter": "ngram"}, TypeError, "drafter must be a treeattn Drafter"),
+    ({"drafter": 3}, TypeError, "drafter must be a drafter name"),
+    ({"drafter": "medusa"}, ValueError, "drafter must be one of ngram, suffix, heads, auto"),
+    ({"drafter": "heads", "heads": "/no/such/heads.pt"}, ValueError, "heads: no such file"),
+    ({"drafter": NGramDrafter(4), "heads": "h.pt"}, ValueError, "heads goes with drafter 'heads' or 'auto'"),
     ({"drafter": _Unpicklable()}, TypeError, "must pickle"),
 ])
 def test_bad_configs_are_refused(env, kwargs, error, match):

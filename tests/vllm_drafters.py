@@ -3,6 +3,9 @@
 - ``OracleDrafter`` knows each prompt's true greedy continuation (from a run without speculation) and
   proposes trees that hold a random-length prefix of it among decoys: long paths are accepted, and
   they are not contiguous in the node order, so committing them moves K/V.
+- ``HiddenCheckingOracle``: an ``OracleDrafter`` bound to the target's weights (``bind``) that checks,
+  every step, that the hidden state it is given for each request is the one that chose the context's
+  last token (greedy: the LM head's argmax of it), after plain steps and after accepted tree paths.
 - ``FixedTreeDrafter`` proposes the same tree of tokens every step (sampling tests on a tiny vocabulary).
 """
 
@@ -49,6 +52,21 @@ class OracleDrafter:
             tokens.append(decoy(truth[depth]))
             parents.append(at)
         return DraftTree(np.array(tokens), np.array(parents))
+
+
+class HiddenCheckingOracle(OracleDrafter):
+    def bind(self, weights):
+        self.lm_head = weights[1]
+        return self
+
+    def propose(self, contexts, hidden=None) -> list[DraftTree]:
+        if hidden is None or hidden.shape[0] != len(contexts):
+            raise AssertionError(f"expected hidden states for {len(contexts)} contexts, got {hidden}")
+        chosen = (hidden.double() @ self.lm_head.double().T).argmax(-1).tolist()
+        last = [int(c[-1]) for c in contexts]
+        if chosen != last:
+            raise AssertionError(f"the hidden states chose {chosen}, the contexts end in {last}")
+        return super().propose(contexts, hidden)
 
 
 class FixedTreeDrafter:

@@ -13,7 +13,7 @@ share a process. Usage: ``python -m tests.vllm_engine SPEC.json RESULT.json``, w
   invalid requests (``{"prompt": ..., "sampling": {...}}``) added between them; each bad one must be
   refused on its own while the good ones finish.
 
-With ``"tree": {"nodes", "drafter": {"class": "module.Name", "kwargs": {...}} | null}`` in the spec,
+With ``"tree": {"nodes", "drafter": {"class": "module.Name", "kwargs": {...}} | "name"}`` in the spec,
 the engine verifies token trees (``treeattn.vllm.speculative.tree_speculative_config``).
 
 The result maps job names to generated token ids, ``errors`` to the refusals of each job, and
@@ -47,8 +47,8 @@ def _generate(llm, job) -> list[list[int]] | list[list[list[int]]]:
 def _speculative_config(tree: dict) -> dict:
     from treeattn.vllm.speculative import tree_speculative_config
 
-    drafter = tree.get("drafter")
-    if drafter is not None:
+    drafter = tree.get("drafter", "ngram")
+    if isinstance(drafter, dict):
         module, name = drafter["class"].rsplit(".", 1)
         drafter = getattr(importlib.import_module(module), name)(**drafter.get("kwargs", {}))
     return tree_speculative_config(nodes=tree["nodes"], drafter=drafter)

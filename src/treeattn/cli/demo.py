@@ -28,11 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ..models.loader import ModelNotAvailable, load_model, load_smollm2
-from ..speculative import NGramDrafter, SamplingParams
-from ..speculative.adaptive import AdaptiveDrafter, CostModel, probe_cost
+from ..speculative import SamplingParams
+from ..speculative.adaptive import AdaptiveDrafter, probe_cost
+from ..speculative.choice import DRAFTERS, build_drafter
 from ..speculative.generate import GenerationResult, generate
-from ..speculative.heads import HeadDrafter, find_heads, load_heads
-from ..speculative.suffix import SuffixDrafter
 
 _CODE = '''def parse_config(path):
     settings = {}
@@ -61,7 +60,6 @@ BUILTIN_PROMPTS = {
 }
 
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
-DRAFTERS = ("ngram", "suffix", "heads", "auto")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,62 +162,6 @@ def _summary(prompts: list[_Prompt], greedy: list[GenerationResult], spec: list[
             "speedup": s["tokens_per_s"] / g["tokens_per_s"], "greedy": g, "spec": s}
 
 
-def heads_mismatch(heads, metadata: dict, model, model_name: str) -> str | None:
-    """Why a draft head made for another model cannot draft for ``model`` (``None``: it can). A head
-    file names the model it was trained for (``treeattn train-heads`` writes it); its hidden size and
-    vocabulary must fit, as it reads that model's states, embeddings and LM head."""
-    made_for = metadata.get("model")
-    if made_for is not None and made_for != model_name:
-        return f"the draft head was trained for {made_for}, not {model_name}"
-    try:
-        heads.check_model(model.vocab_weights())
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
-def build_drafter(kind: str, model, budget: int, *, heads: Path | None = None, full_trees: bool = False,
-                  model_name: str = MODEL_NAME):
-    """``(drafter, description)`` for ``--drafter kind``: adaptive unless ``full_trees``.
-
-    ``heads``: the draft heads file (default ``find_heads()``, SmolLM2's); ``ValueError`` when ``kind``
-    is ``heads`` and there is none, or they were made for another model than ``model_name`` (or another
-    hidden size). ``auto`` is suffix + heads, or suffix alone without usable heads (and says why).
-    """
-    if kind not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
-    heads_path = heads or find_heads()
-    if heads is not None and not heads.is_file():
-        raise ValueError(f"--heads: no such file {heads}")
-    if kind == "heads" and heads_path is None:
-        raise ValueError("--drafter heads needs trained draft heads: run `treeattn train-heads` first "
-                         "(or pass --heads FILE)")
-    sources, skipped = [], ""
-    if kind == "ngram":
-        sources.append(NGramDrafter(budget))
-    if kind in ("suffix", "auto"):
-        sources.append(SuffixDrafter(budget))
-    if kind in ("heads", "auto") and heads_path is not None:
-        try:
-            trained, metadata = load_heads(heads_path, dtype=model.dtype)
-            why = heads_mismatch(trained, metadata, model, model_name)
-        except ValueError as exc:  # e.g. Medusa heads from an older treeattn in the user's cache
-            why = str(exc)
-        if why is None:
-            sources.append(HeadDrafter(trained, model.vocab_weights(), budget=budget))
-        elif kind == "heads":
-            raise ValueError(f"--drafter heads: {heads_path}: {why}; pick another --drafter")
-        else:
-            skipped = f" (no draft heads: {why})"
-    names = " + ".join(type(s).__name__ for s in sources)
-    if full_trees:
-        if len(sources) > 1:
-            raise ValueError("--full-trees verifies one drafter's whole trees: pick ngram, suffix or heads")
-        return sources[0], f"{names}, full {budget}-node trees{skipped}"
-    return (AdaptiveDrafter(*sources, cost=CostModel(), max_nodes=budget),
-            f"{names}, adaptive trees of up to {budget} nodes{skipped}")
-
-
 def load_demo_model(path: Path | None, dtype: torch.dtype, device: str):
     """``(model, tokenizer, name, source)``: ``--model PATH``, or the shipped SmolLM2."""
     if path is None:
@@ -257,7 +199,7 @@ def main_demo(args: argparse.Namespace) -> int:
         return 2
     engine = f"HF transformers {type(model.model).__name__} via treeattn attention, from {source}"
     try:
-        drafter, described = build_drafter(args.drafter, model, args.tree_budget, heads=args.heads,
+        drafter, described = build_drafter(args.drafter, model.vocab_weights(), args.tree_budget, heads=args.heads,
                                            full_trees=args.full_trees, model_name=name)
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")

@@ -270,14 +270,17 @@ def make_adaptive(drafter, *, max_nodes: int = 32):
 class AdaptiveDrafter:
     """Drafts, per step, the tree with the most expected tokens per second (see the module docstring).
 
-    ``sources``: one or more ``ScoringDrafter``; their candidate trees are merged by token path (a
-    node's probability is the best any source gives it). ``max_nodes`` caps one request's tree (the
+    ``sources``: one or more ``ScoringDrafter``, cheapest first; their candidate trees are merged by
+    token path (a node's probability is the best any source gives it). A later source is asked only
+    for the contexts where the sources before it expect fewer than ``enough`` accepted tokens (None:
+    always): a suffix drafter's confident match costs microseconds, and a draft head's few
+    milliseconds per step would buy little beside it. ``max_nodes`` caps one request's tree (the
     root included). ``cost`` defaults to a fresh ``CostModel``. Implements ``Drafter`` and
     ``LearningDrafter``: keep one instance across ``generate`` calls to keep what it learnt.
     """
 
     def __init__(self, *sources: ScoringDrafter, cost: CostModel | None = None, max_nodes: int = 32,
-                 calibration_strength: float = 2.0):
+                 calibration_strength: float = 2.0, enough: float | None = 1.0):
         if not sources:
             raise ValueError("AdaptiveDrafter needs at least one ScoringDrafter source")
         for i, s in enumerate(sources):
@@ -286,7 +289,10 @@ class AdaptiveDrafter:
                                 f"got {type(s).__name__}")
         if not isinstance(max_nodes, (int, np.integer)) or max_nodes < 1:
             raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+        if enough is not None and not enough > 0:
+            raise ValueError(f"enough must be > 0 or None, got {enough!r}")
         self.sources = sources
+        self.enough = None if enough is None else float(enough)
         self.cost = cost if cost is not None else CostModel()
         self.max_nodes = int(max_nodes)
         self.calibrators = [Calibrator(calibration_strength) for _ in sources]
@@ -298,10 +304,19 @@ class AdaptiveDrafter:
         return f"AdaptiveDrafter({', '.join(map(repr, self.sources))}, max_nodes={self.max_nodes})"
 
     def propose(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[DraftTree]:
-        per_source = [s.candidates(contexts, hidden) for s in self.sources]
-        for s, cands in zip(self.sources, per_source):
-            if len(cands) != len(contexts):
-                raise ValueError(f"{s!r} returned {len(cands)} candidate trees for {len(contexts)} contexts")
+        n = len(contexts)
+        per_source, expected = [], np.zeros(n)
+        for i, (s, calibrator) in enumerate(zip(self.sources, self.calibrators)):
+            ask = [b for b in range(n) if i == 0 or self.enough is None or expected[b] < self.enough]
+            got = s.candidates([contexts[b] for b in ask], None if hidden is None else hidden[ask]) if ask else []
+            if len(got) != len(ask):
+                raise ValueError(f"{s!r} returned {len(got)} candidate trees for {len(ask)} contexts")
+            cands = [Candidates.root_only(int(c[-1])) for c in contexts]
+            for b, c in zip(ask, got):
+                cands[b] = c
+            per_source.append(cands)
+            if self.enough is not None and i + 1 < len(self.sources):
+                expected = np.maximum(expected, [self._expected_tokens(c, calibrator) for c in cands])
         self._pending = per_source
         merged = [self._merge([src[b] for src in per_source], self.calibrators)
                   for b in range(len(contexts))]
@@ -317,6 +332,17 @@ class AdaptiveDrafter:
         if self._nodes:
             self.cost.add(self._nodes, seconds, drafted=self._drafted)
         self._pending, self._nodes = [], 0
+
+    def _expected_tokens(self, cands: Candidates, calibrator: Calibrator) -> float:
+        """Accepted tokens a source's tree is expected to give (its ``max_nodes - 1`` likeliest nodes)."""
+        tree = cands.tree
+        if tree.size == 1:
+            return 0.0
+        edge = calibrator.probability(cands.keys, cands.prior)
+        path = np.ones(tree.size)
+        for i in range(1, tree.size):
+            path[i] = path[int(tree.parents[i])] * edge[i]
+        return float(np.sort(path[1:])[::-1][: self.max_nodes - 1].sum())
 
     @staticmethod
     def _merge(cands: Sequence[Candidates], calibrators: Sequence[Calibrator]):

@@ -3,10 +3,12 @@
 vLLM verifies drafts as chains. Here a draft is a tree, and four things change, each at one place:
 
 1. **Proposal** (vLLM's public ``custom_class`` proposer): ``TreeProposer`` asks a treeattn
-   ``Drafter`` (the n-gram tree drafter by default) for a tree per request, within the node budget
-   vLLM's scheduler reserved (``num_speculative_tokens`` = nodes - 1). The tree's nodes after the
-   root become the request's draft tokens, parents before children, so any prefix vLLM's scheduler
-   keeps is still a tree.
+   ``Drafter`` (the n-gram tree drafter by default; ``auto`` adds the trained draft head) for a tree
+   per request, within the node budget vLLM's scheduler reserved (``num_speculative_tokens`` =
+   nodes - 1), giving it each request's final hidden state (the row that chose its last token: a
+   draft head's input). The tree's nodes after the root become the request's draft tokens, parents
+   before children, so any prefix vLLM's scheduler keeps is still a tree. A drafter that reads the
+   target's embeddings and LM head is built in vLLM's worker, where ``load_model`` hands them over.
 2. **Positions and attention**: the request's new tokens are the root (the last sampled token) and
    the draft nodes. Each token still gets its own KV slot (vLLM's linear slot mapping), but its
    RoPE position becomes its tree position ``seq_len + depth``, and treeattn's attention backend
@@ -30,54 +32,128 @@ drafter is a ``TreeProposer``. They are pinned to vLLM ``0.32.0`` (``VLLM_VERSIO
 
 from __future__ import annotations
 
+import atexit
 import base64
 import functools
+import logging
 import os
 import pickle
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..speculative import Drafter, DraftTree, NGramDrafter, SamplingParams, verify_greedy, verify_sampling
+from ..speculative import Drafter, DraftTree, SamplingParams, verify_greedy, verify_sampling
 from ..speculative.adaptive import LearningDrafter, make_adaptive
+from ..speculative.choice import DRAFTERS, build_drafter, heads_file
+from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
 from .batch import move_tokens
 
-__all__ = ["DRAFTER_ENV_VAR", "VLLM_VERSION", "TreeProposer", "plain_decoding_reason", "step_trees",
+__all__ = ["DRAFTER_ENV_VAR", "VLLM_VERSION", "DrafterByName", "TreeProposer", "plain_decoding_reason", "step_trees",
            "tree_speculative_config"]
 
 VLLM_VERSION = "0.32.0"
 DRAFTER_ENV_VAR = "TREEATTN_VLLM_DRAFTER"  # the pickled drafter, for vLLM's worker processes
 _SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
+logger = logging.getLogger("vllm.treeattn")  # under vLLM's logger: its handlers print it
 
 
-def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | None = None, adaptive: bool = True) -> dict:
+def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram", heads: str | Path | None = None,
+                            adaptive: bool = True) -> dict:
     """The ``speculative_config`` that makes ``vllm.LLM`` verify token trees (needs ``TREEATTN_VLLM=1``).
 
     ``nodes``: the most tree nodes per request and step, root included (vLLM reserves ``nodes - 1``
-    draft slots per request). ``drafter``: any treeattn ``Drafter`` (default ``NGramDrafter(nodes)``);
-    it must pickle, since it reaches vLLM's worker processes through the environment
-    (``TREEATTN_VLLM_DRAFTER``), and a tree larger than ``nodes`` is cut to its first ``nodes``.
-    With ``adaptive`` (the default) a drafter that scores its candidates (n-gram, suffix, heads) is
-    wrapped in an ``AdaptiveDrafter``: each step verifies only the nodes expected to pay for their
-    verification time on the running engine (learnt from its step times and what it accepted), and
-    a request whose draft would not pay decodes plainly. A ``LearningDrafter`` (an
-    ``AdaptiveDrafter`` you built) is told every step's emitted tokens and time.
+    draft slots per request). ``drafter``: a name, as ``treeattn demo --drafter`` takes it: ``ngram``
+    (the default), ``suffix``, ``heads`` (a trained EAGLE-style draft head, ``heads`` or the shipped
+    SmolLM2 one; it reads the target's hidden states, embeddings and LM head inside vLLM's worker) or
+    ``auto`` (suffix + head); or any treeattn ``Drafter`` object, which must pickle (it reaches vLLM's
+    worker processes through ``TREEATTN_VLLM_DRAFTER``); an object with ``bind(weights) -> Drafter``
+    is bound there to the target's ``(embeddings, lm_head)`` weights first. A tree larger than
+    ``nodes`` is cut to its first ``nodes``. Every drafter is given each request's final hidden state
+    (the row that chose its last token). With ``adaptive`` (the default) a drafter that scores its
+    candidates (n-gram, suffix, head) is wrapped in an ``AdaptiveDrafter``: each step verifies only
+    the nodes expected to pay for their verification time on the running engine (learnt from its
+    step times and what it accepted), and a request whose draft would not pay decodes plainly. A
+    ``LearningDrafter`` (an ``AdaptiveDrafter`` you built) is told every step's emitted tokens and time.
     """
     if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 2:
         raise ValueError(f"nodes must be an integer >= 2 (the root and at least one draft), got {nodes!r}")
-    drafter = NGramDrafter(int(nodes)) if drafter is None else drafter
-    if not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a treeattn Drafter (with propose(contexts)), got {type(drafter).__name__}")
-    if adaptive:
+    if heads is not None and drafter not in ("heads", "auto"):
+        raise ValueError(f"heads goes with drafter 'heads' or 'auto', not {drafter!r}")
+    if isinstance(drafter, str):
+        path = heads_file(drafter, None if heads is None else Path(heads))  # a bad name or file fails here
+        path = str(path) if path is not None and drafter in ("heads", "auto") else None
+        drafter = DrafterByName(drafter, int(nodes), path, full_trees=not adaptive)
+    elif callable(getattr(drafter, "bind", None)):
+        pass  # bound to the target's weights in the worker, used as bind returns it
+    elif not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a drafter name ({', '.join(DRAFTERS)}), a treeattn Drafter (with "
+                        f"propose(contexts, hidden=None)) or an object with bind(weights), got {type(drafter).__name__}")
+    elif adaptive:
         drafter = make_adaptive(drafter, max_nodes=int(nodes))
+    os.environ[DRAFTER_ENV_VAR] = _share(drafter)
+    return {"method": "custom_class", "model": f"{__name__}.TreeProposer", "num_speculative_tokens": int(nodes) - 1}
+
+
+@dataclass(frozen=True)
+class DrafterByName:
+    """A drafter chosen by name, built in vLLM's worker once the target's weights are there."""
+
+    kind: str
+    nodes: int
+    heads: str | None = None
+    full_trees: bool = False
+
+    def bind(self, weights: VocabWeights) -> Drafter:
+        drafter, described = build_drafter(self.kind, weights, self.nodes, full_trees=self.full_trees,
+                                           heads=None if self.heads is None else Path(self.heads))
+        logger.info("treeattn tree speculation: %s", described)
+        return drafter
+
+
+def _vocab_weights(model, vllm_config) -> VocabWeights:
+    """The target's ``(embeddings, lm_head)`` weights, ``[vocab, hidden]`` each, whole on every
+    tensor-parallel rank (vLLM splits them by vocabulary rows: the ranks gather them once, at load)."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    weights = [getattr(embed, "weight", None), getattr(head, "weight", None)]
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights):
+        raise NotImplementedError(f"this drafter reads the target's embeddings and LM head, and {type(model).__name__} "
+                                  "has no model.embed_tokens.weight and lm_head.weight")
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        weights = [tensor_model_parallel_all_gather(w.detach(), dim=0) for w in weights]
+    vocab = vllm_config.model_config.get_vocab_size()  # vLLM pads the rows past it
+    return weights[0].detach()[:vocab], weights[1].detach()[:vocab]
+
+
+_ENV_LIMIT = 64 * 1024  # Linux refuses an environment string over 128 KiB when it starts vLLM's processes
+
+
+def _share(drafter) -> str:
+    """``drafter`` pickled for vLLM's workers: inline, or in a file (removed when this process exits)."""
     try:
-        os.environ[DRAFTER_ENV_VAR] = base64.b64encode(pickle.dumps(drafter)).decode()
+        blob = pickle.dumps(drafter)
     except Exception as exc:  # pickling can fail in many ways; all mean the same to the caller
         raise TypeError(f"drafter {drafter!r} must pickle to reach vLLM's workers: {exc}") from exc
-    return {"method": "custom_class", "model": f"{__name__}.TreeProposer", "num_speculative_tokens": int(nodes) - 1}
+    if len(blob) <= _ENV_LIMIT:
+        return base64.b64encode(blob).decode()
+    fd, path = tempfile.mkstemp(prefix="treeattn-drafter-", suffix=".pkl")
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+    atexit.register(lambda: Path(path).unlink(missing_ok=True))
+    return "file:" + path
+
+
+def _unshare(value: str):
+    if value.startswith("file:"):
+        return pickle.loads(Path(value[5:]).read_bytes())
+    return pickle.loads(base64.b64decode(value))
 
 
 def plain_decoding_reason(params) -> str | None:
@@ -144,11 +220,17 @@ class TreeProposer:
         if not encoded:
             raise RuntimeError(f"{DRAFTER_ENV_VAR} is not set: build the speculative_config with "
                                "treeattn.vllm.speculative.tree_speculative_config(...)")
-        self._setup(pickle.loads(base64.b64decode(encoded)), vllm_config.speculative_config.num_speculative_tokens + 1)
+        drafter = _unshare(encoded)
+        self._config = vllm_config
+        # A drafter that reads the target's weights is bound to them in load_model.
+        self._binding = drafter if callable(getattr(drafter, "bind", None)) else None
+        self._setup(drafter, vllm_config.speculative_config.num_speculative_tokens + 1)
         _install_runner_hooks()
 
     def _setup(self, drafter: Drafter, nodes: int) -> None:
         self.drafter, self.nodes = drafter, nodes
+        self._hidden_rows: np.ndarray | None = None  # per request, the step's row of its last token
+        self._hidden: torch.Tensor | None = None  # the final hidden states at those rows
         self.trees: dict[str, DraftTree] = {}  # each request's last proposal, by request id
         self._rows: list[tuple[str, bool]] | None = None  # (request id, decodes plainly) of the batch
         # A learning drafter hears, at the next proposal, what its last one gave: the tokens each of
@@ -158,7 +240,13 @@ class TreeProposer:
         self._proposed_at = 0.0
 
     def load_model(self, target_model) -> None:
-        """vLLM's CPU runner hands every drafter the target model; treeattn's drafters need none."""
+        """vLLM's runner hands every drafter the target model: a drafter that reads its weights binds here."""
+        if self._binding is None:
+            return
+        drafter = self._binding.bind(_vocab_weights(target_model, self._config))
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"{self._binding!r}.bind returned {type(drafter).__name__}, not a treeattn Drafter")
+        self._setup(drafter, self.nodes)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings=None) -> list[list[int]]:
@@ -171,12 +259,13 @@ class TreeProposer:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled and not self._rows[i][1]]
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in rows]
-        for i, tree in zip(rows, self.drafter.propose(contexts) if rows else []):
+        hidden = None if self._hidden is None else self._hidden[rows]
+        for i, tree in zip(rows, self.drafter.propose(contexts, hidden=hidden) if rows else []):
             tree = _first_nodes(tree, self.nodes)
             self.trees[self._rows[i][0]] = tree
             drafts[i] = tree.tokens[1:].tolist()
         self._proposed, self._proposed_at = [self._rows[i][0] for i in rows], time.perf_counter()
-        self._rows = None
+        self._rows, self._hidden = None, None
         return drafts
 
     def begin_step(self, req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
@@ -298,6 +387,8 @@ def _install_runner_hooks() -> None:
             total = scheduler_output.total_num_scheduled_tokens
             slots = self.input_batch.block_table.block_tables[0].slot_mapping.gpu[:total].clone()
             num_reqs = self.input_batch.num_reqs
+            # Each request's last row holds its final hidden state, unless tree verification says otherwise.
+            self.drafter._hidden_rows = np.cumsum(np.asarray(num_scheduled_tokens)[:num_reqs]) - 1
             _current = self.drafter.begin_step(self.input_batch.req_ids[:num_reqs],
                                                scheduler_output.scheduled_spec_decode_tokens,
                                                np.asarray(num_scheduled_tokens), slots)
@@ -307,14 +398,19 @@ def _install_runner_hooks() -> None:
         return result
 
     @functools.wraps(propose)
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        if isinstance(getattr(self, "drafter", None), TreeProposer):
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                                *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, TreeProposer):
             req_ids = self.input_batch.req_ids
-            self.drafter._rows = [(r, plain_decoding_reason(self.requests[r].sampling_params) is not None)
-                                  for r in req_ids]
+            drafter._rows = [(r, plain_decoding_reason(self.requests[r].sampling_params) is not None)
+                             for r in req_ids]
             for r in scheduler_output.finished_req_ids:
-                self.drafter.trees.pop(r, None)
-        return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+                drafter.trees.pop(r, None)
+            if drafter._hidden_rows is not None:  # the state that chose each request's last token
+                drafter._hidden = hidden_states[torch.from_numpy(drafter._hidden_rows).to(hidden_states.device)]
+                drafter._hidden_rows = None
+        return propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs)
 
     @functools.wraps(sample)
     def _sample(self, logits, spec_decode_metadata):
@@ -325,6 +421,10 @@ def _install_runner_hooks() -> None:
         self.input_batch.update_async_output_token_ids()
         output, paths = _verify(step, self, logits, spec_decode_metadata)
         _commit(step, paths, self.kv_caches)
+        rows = self.drafter._hidden_rows
+        for b, (tree, path) in enumerate(zip(step.trees, paths)):
+            if tree is not None and rows is not None:  # the last accepted node's row chose the bonus token
+                rows[b] = step.query_start[b] + path[-1]
         return output
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
