@@ -110,6 +110,10 @@ def test_drafting_steps_are_recorded_as_such():
     before = drafter.cost._gram.copy()
     drafter.observe([[5], [5]], 0.05)  # a batch of two plain decodes: 2 nodes, not a drafting step
     assert drafter.cost._gram[0, 1] == before[0, 1] + 2 and drafter.cost._gram[2, 2] == before[2, 2]
+    drafter.propose([np.array([1]), np.array([2])])
+    steps, hits = drafter.cost.steps, dict(drafter.calibrators[0].hits)
+    drafter.observe([[5, 6], [9]], None)  # an untimed step (it also prefilled): calibration only
+    assert drafter.cost.steps == steps and drafter.calibrators[0].hits != hits
 
 
 def test_first_step_with_nothing_measured_is_a_plain_decode():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import types
 
 import numpy as np
@@ -94,12 +95,17 @@ def test_a_learning_drafter_hears_each_request_outcome_by_request_id():
     proposer._rows = [("a", False), ("b", True), ("c", False)]  # b decodes plainly
     drafts = proposer.propose([[9], [9], [9]], np.array([5, 5, 5]), tokens)
     assert drafts == [[1, 2], [], [1, 2]] and drafter.observed == []
-    # Next step: the batch was reordered, c emitted two tokens, a finished (gone), d is new.
-    proposer._rows = [("c", False), ("d", False)]
+    # Next step (the runner's hook timed it): the batch was reordered, c emitted two tokens, a finished
+    # (gone), d is new.
+    proposer._rows, proposer._step_started = [("c", False), ("d", False)], time.perf_counter() - 0.05
     proposer.propose([[1, 2, 7], [3]], np.array([6, 6]), tokens)
     (emitted, seconds), = drafter.observed
-    assert emitted == [[], [1, 2, 7]] and seconds > 0  # in the order of the last proposal: a, c
+    assert emitted == [[], [1, 2, 7]] and 0.05 <= seconds < 1  # in the order of the last proposal: a, c
     assert proposer._proposed == ["c", "d"]
+    # A step that also prefilled (the hook left it untimed): the outcome counts, its time does not.
+    proposer._rows = [("c", False), ("d", False)]
+    proposer.propose([[4], [5]], np.array([7, 7]), tokens)
+    assert drafter.observed[-1] == ([[4], [5]], None)
 
 
 class _Unpicklable:

@@ -78,8 +78,9 @@ class LearningDrafter(Protocol):
     """A drafter that learns from the outcome of the step it drafted for (``generate`` calls
     ``observe`` after every ``propose``)."""
 
-    def observe(self, emitted: Sequence[Sequence[int]], seconds: float) -> None:
-        """``emitted[b]``: tokens the step emitted for the ``b``-th proposed tree; ``seconds``: the step's time."""
+    def observe(self, emitted: Sequence[Sequence[int]], seconds: float | None) -> None:
+        """``emitted[b]``: tokens the step emitted for the ``b``-th proposed tree; ``seconds``: the step's
+        time, or None when it measures more than this proposal (an engine step that also prefilled)."""
         ...
 
 
@@ -325,11 +326,11 @@ class AdaptiveDrafter:
         self._drafted = self._nodes > len(trees)
         return trees
 
-    def observe(self, emitted: Sequence[Sequence[int]], seconds: float) -> None:
+    def observe(self, emitted: Sequence[Sequence[int]], seconds: float | None) -> None:
         for calibrator, cands in zip(self.calibrators, self._pending):
             for c, tokens in zip(cands, emitted):
                 calibrator.learn(c, tokens)
-        if self._nodes:
+        if self._nodes and seconds is not None:
             self.cost.add(self._nodes, seconds, drafted=self._drafted)
         self._pending, self._nodes = [], 0
 

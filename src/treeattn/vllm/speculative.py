@@ -234,10 +234,11 @@ class TreeProposer:
         self.trees: dict[str, DraftTree] = {}  # each request's last proposal, by request id
         self._rows: list[tuple[str, bool]] | None = None  # (request id, decodes plainly) of the batch
         # A learning drafter hears, at the next proposal, what its last one gave: the tokens each of
-        # its requests emitted and the time since (the engine step that verified it).
+        # its requests emitted and the time of the engine step that verified it, from the runner's
+        # start of that step (not from the proposal: the engine may have idled between requests).
         self._learner = drafter if isinstance(drafter, LearningDrafter) else None
         self._proposed: list[str] = []  # request ids of the last proposal, in the drafter's order
-        self._proposed_at = 0.0
+        self._step_started: float | None = None  # None: the step also prefilled, its time says nothing of trees
 
     def load_model(self, target_model) -> None:
         """vLLM's runner hands every drafter the target model: a drafter that reads its weights binds here."""
@@ -255,7 +256,8 @@ class TreeProposer:
             raise RuntimeError("TreeProposer.propose ran outside vLLM's runner hooks")
         if self._learner is not None and self._proposed:
             emitted = {self._rows[i][0]: list(sampled) for i, sampled in enumerate(sampled_token_ids)}
-            self._learner.observe([emitted.get(r, []) for r in self._proposed], time.perf_counter() - self._proposed_at)
+            seconds = None if self._step_started is None else time.perf_counter() - self._step_started
+            self._learner.observe([emitted.get(r, []) for r in self._proposed], seconds)
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled and not self._rows[i][1]]
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in rows]
@@ -264,8 +266,8 @@ class TreeProposer:
             tree = _first_nodes(tree, self.nodes)
             self.trees[self._rows[i][0]] = tree
             drafts[i] = tree.tokens[1:].tolist()
-        self._proposed, self._proposed_at = [self._rows[i][0] for i in rows], time.perf_counter()
-        self._rows, self._hidden = None, None
+        self._proposed = [self._rows[i][0] for i in rows]
+        self._rows, self._hidden, self._step_started = None, None, None
         return drafts
 
     def begin_step(self, req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
@@ -379,6 +381,7 @@ def _install_runner_hooks() -> None:
     @functools.wraps(prepare)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         global _current
+        started = time.perf_counter()
         result = prepare(self, scheduler_output, num_scheduled_tokens)
         _current = None
         if isinstance(getattr(self, "drafter", None), TreeProposer):
@@ -388,7 +391,11 @@ def _install_runner_hooks() -> None:
             slots = self.input_batch.block_table.block_tables[0].slot_mapping.gpu[:total].clone()
             num_reqs = self.input_batch.num_reqs
             # Each request's last row holds its final hidden state, unless tree verification says otherwise.
-            self.drafter._hidden_rows = np.cumsum(np.asarray(num_scheduled_tokens)[:num_reqs]) - 1
+            scheduled = np.asarray(num_scheduled_tokens)[:num_reqs]
+            self.drafter._hidden_rows = np.cumsum(scheduled) - 1
+            drafts = scheduler_output.scheduled_spec_decode_tokens
+            decode_only = all(n == 1 + len(drafts.get(r, ())) for r, n in zip(self.input_batch.req_ids, scheduled))
+            self.drafter._step_started = started if decode_only else None
             _current = self.drafter.begin_step(self.input_batch.req_ids[:num_reqs],
                                                scheduler_output.scheduled_spec_decode_tokens,
                                                np.asarray(num_scheduled_tokens), slots)
