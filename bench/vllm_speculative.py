@@ -12,9 +12,12 @@ prompt group is reported:
 
 - ``plain``: vLLM, its own attention (``CPU_ATTN``), no speculation;
 - ``chain ngram k``: vLLM's n-gram speculation, ``k`` draft tokens per step, its own attention;
-- ``tree N``: ``TREEATTN_VLLM=1`` with ``tree_speculative_config(nodes=N)`` (treeattn's n-gram tree
-  drafter, adaptive: per step only the nodes expected to pay for their verification time, up to
-  ``N``, verified with treeattn's attention); ``tree N full``: the drafter's whole tree every step.
+- ``tree N ngram``: ``TREEATTN_VLLM=1`` with ``tree_speculative_config(nodes=N)`` (treeattn's n-gram
+  tree drafter, the same draft source as vLLM's chain; adaptive: per step only the nodes expected to
+  pay for their verification time, up to ``N``, verified with treeattn's attention); ``tree N ngram
+  full``: the drafter's whole tree every step; ``tree N suffix``: the suffix drafter (a suffix trie
+  over the prompts and earlier answers); ``tree N auto``: suffix + the shipped draft head (asked
+  where the suffix drafter is unsure; it reads vLLM's hidden states, embeddings and LM head).
 
 Tokens per step = generated tokens / (generated - accepted), from vLLM's own speculative metrics
 (each model step of a request emits one token plus the drafts it accepted). Every output is checked
@@ -36,7 +39,8 @@ from speculative import NO_LOOKUP  # bench/speculative.py: prompts with nothing 
 from vllm_engines import engine_env, run_engine, write_results
 
 METHODS = {"plain": None, "chain ngram 5": {"chain": 5}, "chain ngram 15": {"chain": 15},
-           "tree 16 full": {"tree": 16, "adaptive": False}, "tree 16": {"tree": 16}, "tree 32": {"tree": 32}}
+           "tree 16 ngram full": {"tree": 16, "adaptive": False}, "tree 16 ngram": {"tree": 16},
+           "tree 16 suffix": {"tree": 16, "drafter": "suffix"}, "tree 16 auto": {"tree": 16, "drafter": "auto"}}
 
 
 def serve(args, method: dict | None, prompts: dict[str, dict[str, list[int]]]) -> dict:
@@ -50,7 +54,8 @@ def serve(args, method: dict | None, prompts: dict[str, dict[str, list[int]]]) -
         spec = {"method": "ngram", "num_speculative_tokens": method["chain"], "prompt_lookup_max": 4,
                 "prompt_lookup_min": 1}
     elif method:
-        spec = tree_speculative_config(nodes=method["tree"], adaptive=method.get("adaptive", True))
+        spec = tree_speculative_config(nodes=method["tree"], adaptive=method.get("adaptive", True),
+                                       drafter=method.get("drafter", "ngram"))
     llm = LLM(model=args.model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
               disable_log_stats=False, speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -275,13 +275,15 @@ class AdaptiveDrafter:
     token path (a node's probability is the best any source gives it). A later source is asked only
     for the contexts where the sources before it expect fewer than ``enough`` accepted tokens (None:
     always): a suffix drafter's confident match costs microseconds, and a draft head's few
-    milliseconds per step would buy little beside it. ``max_nodes`` caps one request's tree (the
-    root included). ``cost`` defaults to a fresh ``CostModel``. Implements ``Drafter`` and
-    ``LearningDrafter``: keep one instance across ``generate`` calls to keep what it learnt.
+    milliseconds per step would buy little beside it (in vLLM on SmolLM2, 2 CPU cores: auto with
+    ``enough=0.5`` ran 56.9 tokens/s on the demo's prompts, 53.8 with 1.0; the head costs ~6 ms a step).
+    ``max_nodes`` caps one request's tree (the root included). ``cost`` defaults to a fresh
+    ``CostModel``. Implements ``Drafter`` and ``LearningDrafter``: keep one instance across
+    ``generate`` calls to keep what it learnt.
     """
 
     def __init__(self, *sources: ScoringDrafter, cost: CostModel | None = None, max_nodes: int = 32,
-                 calibration_strength: float = 2.0, enough: float | None = 1.0):
+                 calibration_strength: float = 2.0, enough: float | None = 0.5):
         if not sources:
             raise ValueError("AdaptiveDrafter needs at least one ScoringDrafter source")
         for i, s in enumerate(sources):
