@@ -291,6 +291,14 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
     tp2 = run_engine(tmp_path, model, jobs, treeattn=True, tp=2, distributed_executor_backend="mp", **engine)
     assert tp1["tokens"] == reference["tokens"]
     assert tp2["tokens"] == tp1["tokens"]
+    # Trees on 2 ranks: each rank's drafter gets the whole LM head (gathered from both ranks' rows) and
+    # the hidden state of each request's last token, which the oracle checks every step.
+    truths = [[p, t] for p, t in zip(jobs[0]["prompts"], tp1["tokens"]["prompts"])]
+    oracle = {"class": "tests.vllm_drafters.HiddenCheckingOracle", "kwargs": {"truths": truths, "vocab": 512}}
+    trees = run_engine(tmp_path, model, jobs, treeattn=True, tp=2, distributed_executor_backend="mp",
+                       tree={"nodes": 8, "drafter": oracle}, **engine)
+    assert trees["tokens"] == tp1["tokens"]
+    assert trees["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 # ---------------------------------------------------------------- tree speculation (treeattn.vllm.speculative)
