@@ -256,7 +256,7 @@ def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job, run):
     assert ours == theirs
 
 
-def test_the_draft_head_drafts_inside_vllm(smollm2_runs):
+def test_auto_builds_the_draft_head_inside_vllm(smollm2_runs):
     assert "SuffixDrafter + HeadDrafter, adaptive trees of up to 8 nodes" in smollm2_runs["treeattn-tree"]["log"]
 
 
@@ -283,8 +283,9 @@ def test_bad_requests_are_refused_alone(smollm2_runs, run):
 # ---------------------------------------------------------------- a tiny model: tensor parallelism
 
 def test_tensor_parallel_2_matches_tp_1(tmp_path):
-    model = tiny_qwen2(tmp_path / "qwen2", heads=4, kv_heads=2)  # 2 query + 1 KV head per rank
-    jobs = [{"name": "prompts", "max_tokens": 16, "prompts": token_prompts(2, [3, 50, 17, 90])}]
+    # 2 query + 1 KV head per rank; 500 tokens, which vLLM pads to 512 rows (256 per rank)
+    model = tiny_qwen2(tmp_path / "qwen2", heads=4, kv_heads=2, vocab=500)
+    jobs = [{"name": "prompts", "max_tokens": 16, "prompts": token_prompts(2, [3, 50, 17, 90], vocab=500)}]
     engine = {"max_model_len": 512, "skip_tokenizer_init": True}
     tp1 = run_engine(tmp_path, model, jobs, treeattn=True, **engine)
     reference = run_engine(tmp_path, model, jobs, treeattn=False, **engine)
@@ -294,7 +295,7 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
     # Trees on 2 ranks: each rank's drafter gets the whole LM head (gathered from both ranks' rows) and
     # the hidden state of each request's last token, which the oracle checks every step.
     truths = [[p, t] for p, t in zip(jobs[0]["prompts"], tp1["tokens"]["prompts"])]
-    oracle = {"class": "tests.vllm_drafters.HiddenCheckingOracle", "kwargs": {"truths": truths, "vocab": 512}}
+    oracle = {"class": "tests.vllm_drafters.HiddenCheckingOracle", "kwargs": {"truths": truths, "vocab": 500}}
     trees = run_engine(tmp_path, model, jobs, treeattn=True, tp=2, distributed_executor_backend="mp",
                        tree={"nodes": 8, "drafter": oracle}, **engine)
     assert trees["tokens"] == tp1["tokens"]

@@ -13,7 +13,7 @@ import torch
 from tests.helpers import VOCAB
 from treeattn.speculative import DraftTree, NGramDrafter
 from treeattn.speculative.adaptive import AdaptiveDrafter
-from treeattn.speculative.heads import DraftHeads, HeadDrafter, save_heads
+from treeattn.speculative.heads import DraftHeads, HeadDrafter, find_heads, save_heads
 from treeattn.vllm import tree_speculative_config
 from treeattn.vllm.speculative import DRAFTER_ENV_VAR, DrafterByName, TreeProposer, _Step, _unshare, plain_decoding_reason
 
@@ -37,15 +37,17 @@ def test_config_names_the_proposer_and_ships_the_drafter(env):
     config = tree_speculative_config(nodes=10)
     assert config == {"method": "custom_class", "model": "treeattn.vllm.speculative.TreeProposer",
                       "num_speculative_tokens": 9}
-    shipped = _shipped()  # a name: built in vLLM's worker, adaptive by default (trees cut to what pays)
-    assert shipped == DrafterByName("ngram", 10)
-    drafter = shipped.bind(WEIGHTS)
+    drafter = _shipped()  # adaptive by default: trees cut to what pays, within the node budget
     assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 10
     assert isinstance(drafter.sources[0], NGramDrafter) and drafter.sources[0].budget == 10
     tree_speculative_config(nodes=10, adaptive=False)
-    assert isinstance(_shipped().bind(WEIGHTS), NGramDrafter)
+    assert isinstance(_shipped(), NGramDrafter)
+    tree_speculative_config(nodes=10, drafter="suffix")
+    assert [type(s).__name__ for s in _shipped().sources] == ["SuffixDrafter"]
     tree_speculative_config(nodes=10, drafter=NGramDrafter(10))  # a drafter object travels pickled
     assert isinstance(_shipped(), AdaptiveDrafter)
+    tree_speculative_config(nodes=10, drafter="auto")  # a head needs the target's weights: built in the worker
+    assert _shipped() == DrafterByName("auto", 10, str(find_heads()))
 
 
 def test_a_draft_head_by_name_binds_to_the_targets_weights(env, tmp_path):
@@ -124,6 +126,8 @@ class _Unpicklable:
     ({"drafter": "medusa"}, ValueError, "drafter must be one of ngram, suffix, heads, auto"),
     ({"drafter": "heads", "heads": "/no/such/heads.pt"}, ValueError, "heads: no such file"),
     ({"drafter": NGramDrafter(4), "heads": "h.pt"}, ValueError, "heads goes with drafter 'heads' or 'auto'"),
+    ({"drafter": "ngram", "heads": "h.pt"}, ValueError, "heads goes with drafter 'heads' or 'auto'"),
+    ({"drafter": "auto", "adaptive": False}, ValueError, "adaptive=False verifies one drafter's whole trees"),
     ({"drafter": _Unpicklable()}, TypeError, "must pickle"),
 ])
 def test_bad_configs_are_refused(env, kwargs, error, match):

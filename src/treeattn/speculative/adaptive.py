@@ -275,8 +275,9 @@ class AdaptiveDrafter:
     token path (a node's probability is the best any source gives it). A later source is asked only
     for the contexts where the sources before it expect fewer than ``enough`` accepted tokens (None:
     always): a suffix drafter's confident match costs microseconds, and a draft head's few
-    milliseconds per step would buy little beside it (in vLLM on SmolLM2, 2 CPU cores: auto with
-    ``enough=0.5`` ran 56.9 tokens/s on the demo's prompts, 53.8 with 1.0; the head costs ~6 ms a step).
+    milliseconds per step would buy little beside it (in vLLM on SmolLM2, 2 CPU cores, single runs:
+    auto with ``enough=0.5`` ran 56.9 tokens/s on the demo's prompts, 53.8 with 1.0; the head costs
+    ~6 ms a step).
     ``max_nodes`` caps one request's tree (the root included). ``cost`` defaults to a fresh
     ``CostModel``. Implements ``Drafter`` and ``LearningDrafter``: keep one instance across
     ``generate`` calls to keep what it learnt.
@@ -304,7 +305,7 @@ class AdaptiveDrafter:
         self._drafted = False  # whether the last step drafted anything
 
     def __repr__(self) -> str:
-        return f"AdaptiveDrafter({', '.join(map(repr, self.sources))}, max_nodes={self.max_nodes})"
+        return f"AdaptiveDrafter({', '.join(map(repr, self.sources))}, max_nodes={self.max_nodes}, enough={self.enough})"
 
     def propose(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[DraftTree]:
         n = len(contexts)

@@ -31,10 +31,8 @@ def heads_mismatch(heads, metadata: dict, weights: VocabWeights, model_name: str
 
 
 def heads_file(kind: str, heads: Path | None) -> Path | None:
-    """The draft-head file drafter ``kind`` would use (``heads``, else ``find_heads()``); ``ValueError``
-    when ``kind`` is not a drafter name, ``heads`` is missing, or ``kind`` is ``heads`` and there is none."""
-    if kind not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
+    """The draft-head file drafter ``kind`` (``heads`` or ``auto``) would use: ``heads``, else
+    ``find_heads()``; ``ValueError`` when ``heads`` is missing, or ``kind`` is ``heads`` and there is none."""
     if heads is not None and not Path(heads).is_file():
         raise ValueError(f"heads: no such file {heads}")
     path = Path(heads) if heads is not None else find_heads()
@@ -44,18 +42,23 @@ def heads_file(kind: str, heads: Path | None) -> Path | None:
     return path
 
 
-def build_drafter(kind: str, weights: VocabWeights, budget: int, *, heads: Path | None = None,
+def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads: Path | None = None,
                   full_trees: bool = False, model_name: str | None = None):
     """``(drafter, description)`` for drafter ``kind``: adaptive trees of up to ``budget`` nodes, or
     the drafter's whole trees with ``full_trees``.
 
-    ``weights``: the target's ``(embeddings, lm_head)`` (a draft head drafts in their dtype).
+    ``weights``: the target's ``(embeddings, lm_head)`` (a draft head drafts in their dtype); only
+    ``heads`` and ``auto`` read them (None for the others).
     ``heads``: the draft-head file (default ``find_heads()``, SmolLM2's). ``ValueError`` when ``kind``
     is ``heads`` and there is none, or it does not fit the target (another hidden size or vocabulary,
     or made for another model than ``model_name``, when given). ``auto`` is suffix + head, or suffix
     alone without a usable head (and the description says why).
     """
-    heads_path = heads_file(kind, heads)
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
+    if kind in ("heads", "auto") and weights is None:
+        raise ValueError(f"drafter {kind!r} reads the target's embeddings and LM head: weights must be given")
+    heads_path = heads_file(kind, heads) if kind in ("heads", "auto") else None
     sources, skipped = [], ""
     if kind == "ngram":
         sources.append(NGramDrafter(budget))

@@ -195,12 +195,12 @@ class HeadDrafter:
         self.budget, self.top_k, self.width, self.min_score = budget, top_k, width, float(min_score)
         # Drafting runs a few rows at a time, where PyTorch's CPU matmuls are slowest: the head and the
         # shortlist's rows of the LM head run on oneDNN-packed weights (a copy: ``heads`` stays as it was).
-        self.heads = copy.deepcopy(heads).eval()
-        dtype = self.heads.fuse.weight.dtype
         embed, lm = weights
+        self.heads = copy.deepcopy(heads).eval().to(embed.device)  # on the target's device, as its states
+        dtype = self.heads.fuse.weight.dtype
         self.embed = embed.detach().to(dtype)
         self.project = nn.Sequential(nn.Linear(heads.hidden_size, heads.vocab.numel(), bias=False, dtype=dtype))
-        self.project[0].weight = nn.Parameter(lm.detach()[heads.vocab].to(dtype), requires_grad=False)
+        self.project[0].weight = nn.Parameter(lm.detach()[self.heads.vocab].to(dtype), requires_grad=False)
         pack_linears(self.heads)
         pack_linears(self.project)
 
@@ -243,7 +243,7 @@ class HeadDrafter:
                         front.append(node)
             if not rows:
                 break
-            index = torch.tensor([row for row, _ in rows])
+            index = torch.tensor([row for row, _ in rows], device=state.device)
             state = state[index]
             tokens = torch.from_numpy(picks[[row for row, _ in rows], [r for _, r in rows]]).to(self.embed.device)
         return [self._best(drafted) for drafted in nodes]

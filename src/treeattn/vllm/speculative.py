@@ -57,7 +57,9 @@ __all__ = ["DRAFTER_ENV_VAR", "VLLM_VERSION", "DrafterByName", "TreeProposer", "
            "tree_speculative_config"]
 
 VLLM_VERSION = "0.32.0"
-DRAFTER_ENV_VAR = "TREEATTN_VLLM_DRAFTER"  # the pickled drafter, for vLLM's worker processes
+# The pickled drafter for vLLM's worker processes: base64 inline, or "file:PATH" for a large one (a
+# local file: workers on other machines, e.g. a Ray cluster, cannot read it).
+DRAFTER_ENV_VAR = "TREEATTN_VLLM_DRAFTER"
 _SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 logger = logging.getLogger("vllm.treeattn")  # under vLLM's logger: its handlers print it
 
@@ -69,25 +71,32 @@ def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram"
     ``nodes``: the most tree nodes per request and step, root included (vLLM reserves ``nodes - 1``
     draft slots per request). ``drafter``: a name, as ``treeattn demo --drafter`` takes it: ``ngram``
     (the default), ``suffix``, ``heads`` (a trained EAGLE-style draft head, ``heads`` or the shipped
-    SmolLM2 one; it reads the target's hidden states, embeddings and LM head inside vLLM's worker) or
-    ``auto`` (suffix + head); or any treeattn ``Drafter`` object, which must pickle (it reaches vLLM's
-    worker processes through ``TREEATTN_VLLM_DRAFTER``); an object with ``bind(weights) -> Drafter``
-    is bound there to the target's ``(embeddings, lm_head)`` weights first. A tree larger than
-    ``nodes`` is cut to its first ``nodes``. Every drafter is given each request's final hidden state
-    (the row that chose its last token). With ``adaptive`` (the default) a drafter that scores its
-    candidates (n-gram, suffix, head) is wrapped in an ``AdaptiveDrafter``: each step verifies only
-    the nodes expected to pay for their verification time on the running engine (learnt from its
-    step times and what it accepted), and a request whose draft would not pay decodes plainly. A
-    ``LearningDrafter`` (an ``AdaptiveDrafter`` you built) is told every step's emitted tokens and time.
+    SmolLM2 one; it reads the target's hidden states, embeddings and LM head inside vLLM's worker,
+    and is checked to fit their sizes, not the model's name) or ``auto`` (suffix + head); or any
+    treeattn ``Drafter`` object, which must pickle (it reaches vLLM's worker processes through
+    ``TREEATTN_VLLM_DRAFTER``); an object with ``bind(weights) -> Drafter`` is bound there to the
+    target's ``(embeddings, lm_head)`` weights first, and used as ``bind`` returns it (``adaptive``
+    does not apply). A tree larger than ``nodes`` is cut to its first ``nodes``. Every drafter is
+    given each request's final hidden state (the row that chose its last token). With ``adaptive``
+    (the default) a drafter that scores its candidates (n-gram, suffix, head) is wrapped in an
+    ``AdaptiveDrafter``: each step verifies only the nodes expected to pay for their verification time
+    on the running engine (learnt from its step times and what it accepted), and a request whose
+    draft would not pay decodes plainly. A ``LearningDrafter`` (an ``AdaptiveDrafter`` you built) is
+    told every step's emitted tokens and time (None for a step that also prefilled other requests:
+    the engine needs one step of decodes alone before a tree is verified).
     """
     if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 2:
         raise ValueError(f"nodes must be an integer >= 2 (the root and at least one draft), got {nodes!r}")
     if heads is not None and drafter not in ("heads", "auto"):
         raise ValueError(f"heads goes with drafter 'heads' or 'auto', not {drafter!r}")
-    if isinstance(drafter, str):
-        path = heads_file(drafter, None if heads is None else Path(heads))  # a bad name or file fails here
-        path = str(path) if path is not None and drafter in ("heads", "auto") else None
-        drafter = DrafterByName(drafter, int(nodes), path, full_trees=not adaptive)
+    if drafter == "auto" and not adaptive:
+        raise ValueError("adaptive=False verifies one drafter's whole trees: pick drafter ngram, suffix or heads, "
+                         "not auto")
+    if drafter in ("heads", "auto"):  # built where the target's weights are: vLLM's worker
+        path = heads_file(drafter, None if heads is None else Path(heads))  # no head file fails here
+        drafter = DrafterByName(drafter, int(nodes), None if path is None else str(path), full_trees=not adaptive)
+    elif isinstance(drafter, str):
+        drafter = build_drafter(drafter, None, int(nodes), full_trees=not adaptive)[0]
     elif callable(getattr(drafter, "bind", None)):
         pass  # bound to the target's weights in the worker, used as bind returns it
     elif not isinstance(drafter, Drafter):
@@ -127,7 +136,9 @@ def _vocab_weights(model, vllm_config) -> VocabWeights:
     if vllm_config.parallel_config.tensor_parallel_size > 1:
         from vllm.distributed import tensor_model_parallel_all_gather
 
-        weights = [tensor_model_parallel_all_gather(w.detach(), dim=0) for w in weights]
+        tied = weights[0] is weights[1]
+        weights = [tensor_model_parallel_all_gather(w.detach(), dim=0) for w in weights[: 2 - tied]]
+        weights = weights * 2 if tied else weights
     vocab = vllm_config.model_config.get_vocab_size()  # vLLM pads the rows past it
     return weights[0].detach()[:vocab], weights[1].detach()[:vocab]
 
@@ -238,7 +249,9 @@ class TreeProposer:
         # start of that step (not from the proposal: the engine may have idled between requests).
         self._learner = drafter if isinstance(drafter, LearningDrafter) else None
         self._proposed: list[str] = []  # request ids of the last proposal, in the drafter's order
+        self._drafting = 0.0  # seconds the last proposal took: part of what its step cost
         self._step_started: float | None = None  # None: the step also prefilled, its time says nothing of trees
+        self._awaiting_proposal = False  # set by each step, cleared by propose: vLLM may skip proposing
 
     def load_model(self, target_model) -> None:
         """vLLM's runner hands every drafter the target model: a drafter that reads its weights binds here."""
@@ -256,8 +269,9 @@ class TreeProposer:
             raise RuntimeError("TreeProposer.propose ran outside vLLM's runner hooks")
         if self._learner is not None and self._proposed:
             emitted = {self._rows[i][0]: list(sampled) for i, sampled in enumerate(sampled_token_ids)}
-            seconds = None if self._step_started is None else time.perf_counter() - self._step_started
+            seconds = None if self._step_started is None else time.perf_counter() - self._step_started + self._drafting
             self._learner.observe([emitted.get(r, []) for r in self._proposed], seconds)
+        started = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled and not self._rows[i][1]]
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in rows]
@@ -266,8 +280,8 @@ class TreeProposer:
             tree = _first_nodes(tree, self.nodes)
             self.trees[self._rows[i][0]] = tree
             drafts[i] = tree.tokens[1:].tolist()
-        self._proposed = [self._rows[i][0] for i in rows]
-        self._rows, self._hidden, self._step_started = None, None, None
+        self._proposed, self._drafting = [self._rows[i][0] for i in rows], time.perf_counter() - started
+        self._rows, self._hidden, self._step_started, self._awaiting_proposal = None, None, None, False
         return drafts
 
     def begin_step(self, req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
@@ -396,6 +410,9 @@ def _install_runner_hooks() -> None:
             drafts = scheduler_output.scheduled_spec_decode_tokens
             decode_only = all(n == 1 + len(drafts.get(r, ())) for r, n in zip(self.input_batch.req_ids, scheduled))
             self.drafter._step_started = started if decode_only else None
+            if self.drafter._awaiting_proposal:  # the last step proposed nothing: this one verifies no proposal
+                self.drafter._proposed = []
+            self.drafter._awaiting_proposal = True
             _current = self.drafter.begin_step(self.input_batch.req_ids[:num_reqs],
                                                scheduler_output.scheduled_spec_decode_tokens,
                                                np.asarray(num_scheduled_tokens), slots)
