@@ -150,6 +150,16 @@ class Calibrator:
                 self.update(int(cands.keys[i]), hit)
 
 
+def _acceptance(cands: Candidates, calibrator: Calibrator) -> np.ndarray:
+    """Each node's calibrated probability of being accepted: the product of its path's edge probabilities."""
+    edge = calibrator.probability(cands.keys, cands.prior)
+    parents = cands.tree.parents
+    path = np.ones(cands.tree.size)
+    for i in range(1, path.size):
+        path[i] = path[int(parents[i])] * edge[i]
+    return path
+
+
 class StepCost(NamedTuple):
     """A step's seconds: ``per_step + per_node * nodes``, plus ``to_draft`` when it verifies any draft."""
 
@@ -164,8 +174,9 @@ class CostModel:
     ``c`` is the price of verifying any draft at all, beyond its nodes: with PyTorch's own CPU
     matmuls a 2-4 token step runs far below the speed of a one-token decode (measured on SmolLM2,
     1 core: one node 50 ms, two 75 ms, sixteen 178 ms, so ``c`` was about a third of a plain step;
-    ``pack_linears`` brings it near 0), and the step takes the tree path (mask, commit). A model without it thinks a single likely node pays
-    when it does not, which is how prompts with nothing to look up ran slower than plain decoding.
+    ``pack_linears`` brings it near 0), and the step takes the tree path (mask, commit). A model
+    without it thinks a single likely node pays when it does not, which is how prompts with nothing
+    to look up ran slower than plain decoding.
     Fitted by exponentially weighted least squares (``forget`` per step: recent steps count most,
     so the fit follows the context length and the machine's load). Until steps of several sizes have
     been seen the slope is pinned by a weak prior ``b = ratio * a`` (``ratio``: the cost of one extra
@@ -275,9 +286,8 @@ class AdaptiveDrafter:
     token path (a node's probability is the best any source gives it). A later source is asked only
     for the contexts where the sources before it expect fewer than ``enough`` accepted tokens (None:
     always): a suffix drafter's confident match costs microseconds, and a draft head's few
-    milliseconds per step would buy little beside it (in vLLM on SmolLM2, 2 CPU cores, single runs:
-    auto with ``enough=0.5`` ran 56.9 tokens/s on the demo's prompts, 53.8 with 1.0; the head costs
-    ~6 ms a step).
+    milliseconds per step would buy little beside it (the head costs ~6 ms a step on 2 CPU cores;
+    in vLLM on SmolLM2, single development runs, 0.5 ran faster on the demo's prompts than 1 or 2).
     ``max_nodes`` caps one request's tree (the root included). ``cost`` defaults to a fresh
     ``CostModel``. Implements ``Drafter`` and ``LearningDrafter``: keep one instance across
     ``generate`` calls to keep what it learnt.
@@ -339,13 +349,7 @@ class AdaptiveDrafter:
 
     def _expected_tokens(self, cands: Candidates, calibrator: Calibrator) -> float:
         """Accepted tokens a source's tree is expected to give (its ``max_nodes - 1`` likeliest nodes)."""
-        tree = cands.tree
-        if tree.size == 1:
-            return 0.0
-        edge = calibrator.probability(cands.keys, cands.prior)
-        path = np.ones(tree.size)
-        for i in range(1, tree.size):
-            path[i] = path[int(tree.parents[i])] * edge[i]
+        path = _acceptance(cands, calibrator)
         return float(np.sort(path[1:])[::-1][: self.max_nodes - 1].sum())
 
     @staticmethod
@@ -359,12 +363,10 @@ class AdaptiveDrafter:
             t = c.tree
             if int(t.tokens[0]) != root:
                 raise ValueError(f"candidate trees disagree on the root token ({int(t.tokens[0])} vs {root})")
-            edge = cal.probability(c.keys, c.prior)
+            path_p = _acceptance(c, cal).tolist()
             where = [0] * t.size
-            path_p = [1.0] * t.size
             for i in range(1, t.size):
                 p = int(t.parents[i])
-                path_p[i] = path_p[p] * float(edge[i])
                 key = (where[p], int(t.tokens[i]))
                 node = index.get(key)
                 if node is None:

@@ -372,26 +372,31 @@ class TrainState:
 
 
 def _unrolled(heads: DraftHeads, embed: torch.Tensor, data: HeadData, rows: torch.Tensor):
-    """Per draft step: the guessed states ``[R, hidden]``, the true ones and the token targets as
-    shortlist positions (``-100`` where the answer ended or the token is not on the shortlist)."""
+    """Per draft step: the guessed states ``[R, hidden]``, the true ones, the token targets as
+    shortlist positions (``-100`` where the answer ended or the token is not on the shortlist) and
+    whether the answer goes on that far."""
     depth = heads.depth
     dtype = heads.fuse.weight.dtype
     index = torch.full((embed.shape[0],), -100, dtype=torch.int64)
     index[heads.vocab] = torch.arange(heads.vocab.numel())
-    feed, true_states, targets = data.unroll(rows, depth)
-    targets = torch.where(targets >= 0, index[targets.clamp(min=0)], -100)
+    feed, true_states, tokens = data.unroll(rows, depth)
+    targets = torch.where(tokens >= 0, index[tokens.clamp(min=0)], -100)
     embed, true_states = embed.to(dtype), true_states.to(dtype)
     state, steps = data.hidden[rows].to(dtype), []
     for d in range(depth):
         state = heads(state, embed[feed[:, d]])
-        steps.append((state, true_states[:, d], targets[:, d]))
+        steps.append((state, true_states[:, d], targets[:, d], tokens[:, d] >= 0))
     return steps
 
 
-def _loss(heads: DraftHeads, weights: VocabWeights, data: HeadData, rows: torch.Tensor) -> torch.Tensor:
-    out = weights[1][heads.vocab].to(heads.fuse.weight.dtype)
+def _shortlist_head(heads: DraftHeads, weights: VocabWeights) -> torch.Tensor:
+    """The LM head's rows of the head's shortlist, in its dtype: what scores a guessed state."""
+    return weights[1][heads.vocab].to(heads.fuse.weight.dtype)
+
+
+def _loss(heads: DraftHeads, embed: torch.Tensor, out: torch.Tensor, data: HeadData, rows: torch.Tensor) -> torch.Tensor:
     total = torch.zeros(())
-    for state, true_state, target in _unrolled(heads, weights[0], data, rows):
+    for state, true_state, target, _ in _unrolled(heads, embed, data, rows):
         ok = target >= 0
         if ok.any():  # tokens by cross-entropy, states (EAGLE's feature regression) by smooth L1
             total = total + F.cross_entropy(state[ok] @ out.t(), target[ok]) + \
@@ -414,7 +419,7 @@ def train_heads(heads: DraftHeads, weights: VocabWeights, data: HeadData, *, epo
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     heads.check_model(weights)
-    weights = (weights[0].detach(), weights[1].detach())
+    embed, out = weights[0].detach(), _shortlist_head(heads, weights).detach()
     state = state or TrainState()
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     if state.optimizer is not None:
@@ -428,7 +433,7 @@ def train_heads(heads: DraftHeads, weights: VocabWeights, data: HeadData, *, epo
             step = epoch * steps_per_epoch + s
             for group in opt.param_groups:
                 group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))  # a float: checkpoints load weights-only
-            loss = _loss(heads, weights, data, order[s * batch_rows:(s + 1) * batch_rows])
+            loss = _loss(heads, embed, out, data, order[s * batch_rows:(s + 1) * batch_rows])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -449,14 +454,13 @@ def head_accuracy(heads: DraftHeads, weights: VocabWeights, data: HeadData, top_
     """Per draft step ``d``, the share of positions whose token ``d + 1`` ahead the head has among its
     ``top_k`` guesses, every step fed the true tokens before it (the path a draft must match) and the
     head's own states (as when drafting). Tokens off the shortlist count as misses."""
-    out = weights[1][heads.vocab].to(heads.fuse.weight.dtype)
+    out = _shortlist_head(heads, weights)
     top_k = min(top_k, heads.vocab.numel())
     hits, count = torch.zeros(heads.depth), torch.zeros(heads.depth)
     for s in range(0, len(data), batch_rows):
         rows = torch.arange(s, min(s + batch_rows, len(data)))
-        _, _, raw = data.unroll(rows, heads.depth)
-        for d, (state, _, target) in enumerate(_unrolled(heads, weights[0], data, rows)):
+        for d, (state, _, target, answered) in enumerate(_unrolled(heads, weights[0], data, rows)):
             top = torch.topk(state @ out.t(), top_k, dim=-1).indices
             hits[d] += ((top == target[:, None]).any(-1) & (target >= 0)).sum()
-            count[d] += (raw[:, d] >= 0).sum()
+            count[d] += answered.sum()
     return (hits / count.clamp(min=1)).tolist()

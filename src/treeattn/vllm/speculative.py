@@ -445,9 +445,9 @@ def _install_runner_hooks() -> None:
         self.input_batch.update_async_output_token_ids()
         output, paths = _verify(step, self, logits, spec_decode_metadata)
         _commit(step, paths, self.kv_caches)
-        rows = self.drafter._hidden_rows
+        rows = self.drafter._hidden_rows  # the last accepted node's row chose the bonus token
         for b, (tree, path) in enumerate(zip(step.trees, paths)):
-            if tree is not None and rows is not None:  # the last accepted node's row chose the bonus token
+            if tree is not None:
                 rows[b] = step.query_start[b] + path[-1]
         return output
 
