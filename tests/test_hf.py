@@ -55,13 +55,15 @@ def _config(name: str):
                                   q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
                                   n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                                   first_k_dense_replace=1)
+    if name == "stablelm":  # partial rotary, qk layernorm, parallel residual; HF's _supports_attention_backend is False
+        return t.StableLmConfig(**SMALL, partial_rotary_factor=0.25, qk_layernorm=True, use_parallel_residual=True)
     if name == "gpt2":  # learned absolute positions, read at the tree positions
         return t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=2,
                             pad_token_id=0)
     raise KeyError(name)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt_oss", "deepseek_v3", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt_oss", "deepseek_v3", "stablelm", "gpt2"]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
@@ -278,6 +280,10 @@ def test_errors_name_the_reason():
                                                       num_local_experts=1, attention_chunk_size=4))
     with pytest.raises(ValueError, match="chunked attention"):
         check_model(chunked)
+    bloom = t.BloomForCausalLM(t.BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"BloomForCausalLM's modeling code .* do not call ALL_ATTENTION_FUNCTIONS"):
+        check_model(bloom)  # its attention is its own code: HF itself refuses attn_implementation="treeattn"
+    check_model(_model("stablelm"))  # goes through the interface, though _supports_attention_backend is False
 
     model = _model("llama")
     ids, mask = _prompts([4, 6])

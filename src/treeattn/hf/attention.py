@@ -11,7 +11,9 @@ they go to). So the cache is only the HF face of that plan, and the attention fu
   which HF computed from the tree positions passed as ``position_ids``; it calls
   ``PagedKVCache.attention`` for ``module.layer_idx`` with the layer's own variants (scale,
   sliding window, soft-cap, sinks) and returns ``[1, T, h_q, d]``. It finds the cache in the
-  ``treeattn_cache`` keyword, which HF's models pass down to the attention function unchanged.
+  ``treeattn_cache`` keyword, which most HF models pass down to the attention function unchanged,
+  or else in ``active_cache`` (set for the forward by ``HFTreeModel``): some models (StableLM) call
+  the attention interface but drop the keywords on the way down.
 * The registered mask function builds nothing: the tree structure lives in the cache's plan.
 
 Tokens of all sequences are packed along the sequence axis of a batch of one (``input_ids [1, T]``),
@@ -20,6 +22,9 @@ so ragged prompts and trees of different sizes need no padding.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -27,9 +32,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ..kvcache import PagedKVCache
 
-__all__ = ["ATTN_IMPLEMENTATION", "TreeCache", "tree_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "TreeCache", "active_cache", "tree_attention_forward"]
 
 ATTN_IMPLEMENTATION = "treeattn"
+_ACTIVE: contextvars.ContextVar[TreeCache | None] = contextvars.ContextVar("treeattn_active_cache", default=None)
 
 
 class _TreeLayer(CacheLayerMixin):
@@ -95,6 +101,8 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            s_aux: torch.Tensor | None = None, treeattn_cache: TreeCache | None = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
     """HF attention function: ``query [1, h_q, T, d]``, ``key/value [1, h_kv, T, d]`` -> ``[1, T, h_q, d]``."""
+    if treeattn_cache is None:
+        treeattn_cache = _ACTIVE.get()
     if not isinstance(treeattn_cache, TreeCache):
         raise ValueError("attn_implementation 'treeattn' runs only inside treeattn.hf.speculative_generate (it needs "
                          "the treeattn_cache keyword, a TreeCache); switch the model back with "
@@ -116,6 +124,17 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                                          value[0].transpose(0, 1), sm_scale=scaling, sliding_window=sliding_window,
                                          logit_softcap=softcap, sinks=sinks)
     return out[..., :v_dim].unsqueeze(0), None
+
+
+@contextlib.contextmanager
+def active_cache(cache: TreeCache):
+    """The cache that ``tree_attention_forward`` uses, in this thread and task, where a model did not pass
+    ``treeattn_cache`` down to its attention function."""
+    token = _ACTIVE.set(cache)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from ..speculative.model import ModelOutput
-from .attention import ATTN_IMPLEMENTATION, TreeCache
+from .attention import ATTN_IMPLEMENTATION, TreeCache, active_cache
 
 __all__ = ["HFTreeModel", "check_model"]
 
@@ -37,9 +37,31 @@ def check_model(model) -> None:
     if other:
         raise ValueError(f"{name} has layers of type {other} (recurrent or hybrid): their state cannot branch "
                          "into a tree; treeattn verifies trees on attention-only models")
-    if not type(model)._supports_attention_backend:
-        raise ValueError(f"{name} runs custom attention code that does not go through HF's AttentionInterface, "
-                         "so treeattn cannot supply its attention")
+    blocked = _attention_not_pluggable(model)
+    if blocked:
+        raise ValueError(f"{blocked}, so treeattn cannot supply its attention (checked as HF does before it "
+                         "accepts a registered attention implementation such as 'treeattn')")
+
+
+def _attention_not_pluggable(model) -> str | None:
+    """Why HF would refuse a registered attention implementation for ``model`` (or a sub-model), else None.
+
+    HF's own test (``_can_set_attn_implementation``) reads each model class's modeling source: a module
+    that defines ``*Attention*(nn.Module)`` classes must call ``ALL_ATTENTION_FUNCTIONS.get_interface``.
+    (``_supports_attention_backend`` is a different flag, vLLM's transformers backend's, left False by
+    models such as StableLM whose attention does go through the interface.)"""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        cls = type(module)
+        if not isinstance(module, PreTrainedModel):
+            continue
+        can_set = getattr(cls, "_can_set_attn_implementation", None)
+        pluggable = can_set() if can_set is not None else cls._supports_attention_backend
+        if not pluggable:
+            return (f"{cls.__name__}'s modeling code ({cls.__module__}) has attention layers that do not call "
+                    "ALL_ATTENTION_FUNCTIONS.get_interface(...)")
+    return None
 
 
 class HFTreeModel:
@@ -114,9 +136,10 @@ class HFTreeModel:
         info = cache.paged.begin_forward(seq_ids, append_lengths, tree_parents)
         rows = 0 if logits_rows is None else logits_rows.to(self.device)  # 0: HF's "all rows"
         try:
-            out = self.model(input_ids=input_ids.to(self.device)[None], position_ids=info.positions.long()[None],
-                             use_cache=True, logits_to_keep=rows, output_hidden_states=True,
-                             treeattn_cache=cache, **{self._cache_kwarg: cache})
+            with active_cache(cache):
+                out = self.model(input_ids=input_ids.to(self.device)[None], position_ids=info.positions.long()[None],
+                                 use_cache=True, logits_to_keep=rows, output_hidden_states=True,
+                                 treeattn_cache=cache, **{self._cache_kwarg: cache})
         except BaseException:
             cache.paged.abort_forward()
             raise
