@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 
     names = list(paths)
     base = names[0]
-    lines = [f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}; "
+    lines = [f"torch {torch.__version__}, {args.threads} thread{'s' if args.threads != 1 else ''}, {platform.processor() or platform.machine()}; "
              f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f}; "
              f"best of {args.repeats} interleaved repeats, tree budget {args.tree_budget}, "
              f"up to {MAX_NEW} new tokens, stop at EOS; demo-spec: {described}", "",

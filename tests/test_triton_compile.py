@@ -78,5 +78,7 @@ def test_ci_variants_compile_for_sm80_and_sm90(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.announce("compiling every Triton kernel variant for sm_80 and sm_90 (354 compiles, 5-10 minutes "
+                      "on 2 cores)")
 def test_every_variant_compiles(tmp_path):
     check(compile_variants(tmp_path))

@@ -1,4 +1,6 @@
-"""``treeattn check``: every available backend against the float64 reference on fresh random cases."""
+"""``treeattn check``: every backend that can run on the device against the float64 reference (the
+``reference`` backend) on fresh random cases; it names the backends it skips and why (on a CPU:
+Triton, which needs CUDA; the test suite checks its kernels under Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import ops
-from ..backends import available_backends
+from ..backends import BACKENDS, AttentionSpec, available_backends, get_backend
 from ..rope import RoPE
 from ..testing import LSE_RTOL, MIXED, TOL, Request, binary, chain, forest, make_batch, poisoned, star
 
@@ -67,7 +69,13 @@ def run_check(device: str = "cpu", console: Console | None = None) -> int:
     console = console or Console()
     device = torch.device(device)
     backends = [b for b in available_backends(device) if b != "reference"]
-    console.print(f"treeattn check on [bold]{device}[/] with torch {torch.__version__}: backends {', '.join(backends)}")
+    console.print(f"treeattn check on [bold]{device}[/] with torch {torch.__version__}: backends {', '.join(backends)} "
+                  "against the float64 reference")
+    spec = AttentionSpec(device, torch.float32, 2, 1, 64, 64)
+    for name in BACKENDS:
+        if name not in backends and name != "reference":
+            backend = get_backend(name)
+            console.print(f"  skipped {name}: {backend.unavailable() or backend.unsupported(spec)}")
     table = Table("backend", "case", "dtype", "max |Δout|", "max rel |Δlse|", "status")
     results = []
     for backend in backends:

@@ -115,7 +115,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
         torch.save(ckpt, tmp)
         tmp.replace(ckpt_path)  # atomic: an interrupt never leaves half a checkpoint
 
-    console.print(f"[bold]{MODEL_NAME}[/bold], {threads} threads{why}: {len(prompts)} prompts, "
+    console.print(f"[bold]{MODEL_NAME}[/bold], {threads} thread{'s' if threads != 1 else ''}{why}: {len(prompts)} prompts, "
                   f"{args.max_tokens} tokens each, a {args.depth}-step draft head")
     with _progress(console) as bar, model.attention():  # "treeattn" for every forward of the run
         task = bar.add_task("model answers", total=len(prompts), completed=len(ckpt["outputs"]), info="")
