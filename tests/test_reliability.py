@@ -307,3 +307,57 @@ def test_rope_at_a_million(backend):
     ref_out, ref_lse = treeattn.tree_attention(*batch.ragged_args(), rope=rope, q_positions=q_pos,
                                                k_positions=k_pos, backend="reference")
     assert_close_to_reference(out, lse, ref_out, ref_lse, torch.float32)
+
+
+# ---------------------------------------------------------------- zero-size and numpy-made tensors
+
+def _from_numpy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor made from numpy (zero-size ones carry strides (0, ..., 0) there)."""
+    return torch.from_numpy(np.ascontiguousarray(t.numpy()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+def test_zero_size_tensors_from_numpy_are_valid_input(backend, paged):
+    """A step whose requests all have qo_len = 0 (q [0, h_q, d] from numpy: strides (0, 0, 0)) returns
+    the empty result on every backend (the native kernel's stride check rejected it)."""
+    batch = make_batch([Request(chain(3), prefix=20, qo=0), Request(binary(4), prefix=5, qo=0)], h_q=4, h_kv=2,
+                       d=16, page_size=16 if paged else None)
+    q = torch.from_numpy(np.zeros((0, 4, 16), dtype=np.float32))
+    assert q.stride() == (0, 0, 0)
+    index = [_from_numpy(t) for t in (batch.q_indptr, batch.tree_indptr, batch.tree_order)]
+    if paged:
+        e = batch.extra
+        out, lse = treeattn.paged_tree_attention(q, index[0], e["kv_pages"], _from_numpy(e["page_indptr"]),
+                                                 _from_numpy(e["page_indices"]), _from_numpy(e["last_page_len"]),
+                                                 index[1], index[2], backend=backend)
+    else:
+        out, lse = treeattn.tree_attention(q, index[0], batch.k, batch.v, _from_numpy(batch.kv_indptr), index[1],
+                                           index[2], backend=backend)
+    assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+    # No keys at all either: k and v [0, h_kv, d] from numpy.
+    kv = torch.from_numpy(np.zeros((0, 2, 16), dtype=np.float32))
+    none = torch.zeros(3, dtype=torch.int32)
+    out, lse = treeattn.tree_attention(q, none, kv, kv, none, none, torch.zeros(0, 2, dtype=torch.int32),
+                                       backend=backend)
+    assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+    rows = torch.from_numpy(np.zeros((0, 4, 16), dtype=np.float32))
+    lses = torch.from_numpy(np.zeros((0, 4), dtype=np.float32))
+    out, lse = treeattn.merge_state(rows, lses, rows, lses, backend=backend)
+    assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_views_with_their_own_strides_match_the_reference(backend):
+    """q, k and v as torch views of numpy slices (rows and heads strided, last dim contiguous)."""
+    batch = make_batch([Request(random_tree(np.random.default_rng(5), 9), prefix=30), Request(star(4), prefix=3)],
+                       h_q=4, h_kv=2, d=16)
+    rng = np.random.default_rng(6)
+    big_q = rng.standard_normal((batch.q.shape[0] * 2, 6, 16)).astype(np.float32)
+    big_k, big_v = (rng.standard_normal((batch.k.shape[0], 5, 16)).astype(np.float32) for _ in range(2))
+    q, k, v = torch.from_numpy(big_q[::2, 1:5]), torch.from_numpy(big_k[:, ::2][:, :2]), torch.from_numpy(big_v[:, 3:])
+    args = (batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+    out, lse = outputs_for(q)
+    treeattn.tree_attention(q, args[0], k, v, *args[1:], out=out, lse=lse, backend=backend)
+    ref_out, ref_lse = treeattn.tree_attention(q, args[0], k, v, *args[1:], backend="reference")
+    assert_close_to_reference(out, lse, ref_out, ref_lse, torch.float32)
