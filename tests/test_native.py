@@ -36,12 +36,20 @@ def spec_of(batch, page_size=None, sliding_window=None, logit_softcap=None, sink
                          logit_softcap=logit_softcap, sinks=sinks is not None)
 
 
+def skip_unless_checked(backend: NativeBackend, dtype: torch.dtype) -> None:
+    """Skip (with the reason) a brgemm path whose oneDNN kernels this CPU lacks for ``dtype``; that a CPU
+    which has them passes the check is tests/test_native_brgemm.py's."""
+    if backend.isa.startswith("brgemm-") and (reason := backend.check(backend.isa, dtype)):
+        pytest.skip(f"{backend.isa} {dtype}: {reason}")
+
+
 def native(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, **variants):
     """Run one forced kernel path directly (no ops dispatch) into poisoned buffers; ``variants``: the
     ``sliding_window``, ``logit_softcap`` and ``sinks`` keywords of the ops. V's head dim is ``batch.v``'s."""
     backend = NativeBackend(isa=isa)
     out, lse = outputs_for(batch.q, batch.v.shape[2])
     sinks = variants.get("sinks")
+    skip_unless_checked(backend, batch.q.dtype)
     if kv is None:
         plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
         spec = spec_of(batch, **variants)
@@ -75,11 +83,16 @@ def layouts(batch) -> dict[str, PagedKV]:
             "views": PagedKV.wrap((nhd[:, 0], nhd[:, 1]), "NHD")}
 
 
-def test_a_simd_path_on_x86():
-    """This CPU reports its paths best first; a test machine with AVX2 must not silently fall to generic."""
+def test_every_simd_path_this_cpu_has():
+    """A test machine with AVX2 or AVX-512 must not silently fall to a slower path: it has the brgemm
+    and FMA paths of its widest ISA, and the default runs each dtype on the fastest of them."""
     assert ISAS[-1] == "generic"
-    if "avx2" in Path("/proc/cpuinfo").read_text().split():
-        assert ISAS[0] == "avx2"
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    if "avx2" in flags:
+        assert {"brgemm-avx2", "avx2"} <= set(ISAS)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert {"brgemm-avx512", "avx512"} <= set(ISAS)
+        assert NativeBackend().path(torch.float32) == "avx512"
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -217,3 +230,4 @@ def test_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):
         assert NativeBackend(extension=extension).unavailable() == reason
     with pytest.raises(RuntimeError, match="could not be built"):
         extension.module()
+

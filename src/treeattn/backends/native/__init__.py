@@ -5,8 +5,20 @@ packed transposed, so each key and value row is read once, in place, for all of 
 paged layout, through element strides), with fp32 accumulation and an online base-2 softmax. The
 ancestor test runs only on tiles that hold tree keys, and drops invisible keys with a bit mask.
 Long prefixes are split across threads when there are too few (request, head) items, and merged by
-LSE inside the same call. The code path is picked by cpuid at run time (``avx2``: AVX2 + FMA + F16C;
-``generic``: portable C++); ``TREEATTN_NATIVE_ISA`` or ``NativeBackend(isa=...)`` forces one.
+LSE inside the same call.
+
+Kernel paths (``isas()``: the ones this CPU has), picked per dtype at run time:
+- ``brgemm-avx512`` / ``brgemm-avx2``: each tile's two GEMMs (S = Q K^T for all rows of a KV head, O += P V)
+  on oneDNN's brgemm micro-kernels as PyTorch exports them (AMX, AVX512-BF16, AVX512-FP16, AVX-512 or
+  AVX2, JIT-compiled for the running CPU), P rounded to the dtype, the online softmax and masks on AVX-512
+  or AVX2 vectors (``csrc/kernel_brgemm.hpp``). oneDNN has 16-bit kernels only on some CPUs (bf16: AMX,
+  AVX512-BF16; fp16: AMX-FP16, AVX512-FP16), so each (path, dtype) checks itself once per process on
+  first use against the FMA kernel on a small problem, and is switched off, with one warning saying
+  why, when it throws or disagrees;
+- ``avx512`` / ``avx2`` / ``generic``: the FMA kernel (``csrc/kernel.hpp``) on 16 or 8 fp32 lanes, or
+  portable C++; every dtype is widened to fp32.
+The default takes, per dtype, the first of ``_ORDER``'s paths this CPU has that passes its check.
+``TREEATTN_NATIVE_ISA`` or ``NativeBackend(isa=...)`` forces one path for every dtype.
 
 Every attention variant runs in the kernel: a sliding window bounds each work item's keys (keys below
 every row's window are never read; only the window's ragged edge, as wide as the tree is deep, is
@@ -18,6 +30,8 @@ of its own, and MLA's absorbed form (V a view of K's first dims) reads V from th
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -32,6 +46,24 @@ _NONE = torch.zeros(0)  # an absent optional tensor (sinks, positions)
 _MAX_WINDOW = 1 << 62  # larger windows (past any context) are passed as this, within int64
 
 
+# Path preference per dtype (names that this CPU lacks are skipped). 16-bit: brgemm's bf16/fp16 dot
+# products (2x the fp32 FMA rate or more) first. fp32: the FMA kernel, since oneDNN's fp32 micro-kernels
+# have nothing faster than FMAs: measured on a Zen 5 (2 threads, h 32/8, d 128, P 4096, T 8/64/128),
+# avx512 260/409/423 GFLOP/s against brgemm-avx512's 243/372/378; with oneDNN capped at AVX2
+# (ONEDNN_MAX_CPU_ISA=AVX2, as on an AVX2-only CPU) avx2 164/220/224 against brgemm-avx2's 163/218/215.
+_ORDER = {torch.bfloat16: ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic"),
+          torch.float16: ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic"),
+          torch.float32: ("avx512", "avx2", "generic")}
+# A brgemm path's self-check tolerance against the FMA kernel (both accumulate in fp32), absolute and
+# relative: both round the output to the dtype (an ulp each: 2^-8 bf16, 2^-11 fp16), and the brgemm path
+# also rounds P (its products add up to at most another ulp); fp32 differs in summation order only.
+_CHECK_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _brgemm(isa: str) -> bool:
+    return isa.startswith("brgemm-")
+
+
 class _State(NamedTuple):
     """Per-plan host tables, read-only once built (safe to share between threads)."""
 
@@ -42,10 +74,14 @@ class _State(NamedTuple):
     softcap: float  # logit soft-cap (0: none)
     row_pos: torch.Tensor  # int64 [total_q] query rows' positions (window only; else empty)
     depths: torch.Tensor  # int64 [nodes] tree nodes' depths (window only; else empty)
+    isa: str  # the kernel path that runs it
 
 
 class NativeBackend(Backend):
     name = "native"
+    # (extension, path, dtype) -> why the brgemm path failed its self-check, or None: once per process.
+    _checks: dict[tuple[Extension, str, torch.dtype], str | None] = {}
+    _check_lock = threading.Lock()
 
     def __init__(self, isa: str | None = None, extension: Extension = EXTENSION):
         self.isa = isa if isa is not None else os.environ.get("TREEATTN_NATIVE_ISA", "")
@@ -55,8 +91,57 @@ class NativeBackend(Backend):
         return self.extension.failure()
 
     def isas(self) -> list[str]:
-        """The kernel paths this CPU can run, best first."""
+        """The kernel paths this CPU can run (brgemm ones whether or not oneDNN has a dtype's kernels)."""
         return list(self.extension.module().isas())
+
+    def path(self, dtype: torch.dtype) -> str:
+        """The kernel path that runs ``dtype``: the forced one, or the first of its ``_ORDER`` this CPU has
+        whose self-check passes."""
+        if self.isa:
+            return self.isa
+        have = self.isas()
+        return next(isa for isa in _ORDER[dtype] if isa in have and not (_brgemm(isa) and self.check(isa, dtype)))
+
+    def check(self, isa: str, dtype: torch.dtype) -> str | None:
+        """Why brgemm path ``isa`` cannot be trusted with ``dtype`` here (None: it can). Checked once per
+        process: one small call against the FMA kernel; a failure warns once."""
+        key = (self.extension, isa, dtype)
+        with self._check_lock:
+            if key not in self._checks:
+                self._checks[key] = reason = self._self_check(isa, dtype)
+                if reason:
+                    warnings.warn(f"treeattn: native kernel path {isa!r} is off for {dtype}: {reason}",
+                                  RuntimeWarning, stacklevel=3)
+            return self._checks[key]
+
+    def _self_check(self, isa: str, dtype: torch.dtype) -> str | None:
+        from ...plan import TreeAttentionPlan
+        from ...testing import Request, binary, make_batch
+
+        # Two tiles and a short one, a tree with queries, a request without a tree, a GQA group of 4.
+        batch = make_batch([Request(binary(13), prefix=150), Request((), prefix=70, qo=3)], h_q=8, h_kv=2, d=64,
+                           dtype=dtype, seed=1234)
+        plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+        spec = AttentionSpec(torch.device("cpu"), dtype, 8, 2, 64, 64)
+        baseline = next(name for name in self.isas() if not _brgemm(name))
+        results = []
+        for name in (isa, baseline):
+            out = torch.full_like(batch.q, float("nan"))
+            lse = torch.full(batch.q.shape[:2], float("nan"))
+            state = self._state(plan, spec, name)
+            try:
+                self._run(batch.q, batch.k, batch.v, state, 0, 0.125, out, lse, None)
+            except Exception as exc:  # oneDNN has no kernel for this dtype here, or the path is broken
+                return f"it raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            results.append((out.float(), lse))
+        (out, lse), (want, want_lse) = results
+        tol = _CHECK_TOL[dtype]
+        error = ((out - want).abs() - tol * want.abs()).max().item()
+        lse_error = ((lse - want_lse).abs() - 1e-4 * want_lse.abs()).max().item()
+        if not error <= tol or not lse_error <= 1e-4:  # NaN fails too
+            return (f"its output differs from the {baseline!r} path's by {error + tol:.3g} beyond {tol:g} "
+                    f"(LSE: {lse_error + 1e-4:.3g})")
+        return None
 
     def unsupported(self, spec: AttentionSpec) -> str | None:
         if spec.device.type != "cpu":
@@ -67,9 +152,16 @@ class NativeBackend(Backend):
             return f"at most {_MAX_GROUP} query heads per KV head, got {spec.group}"
         if self.isa and self.isa not in self.isas():
             return f"kernel path {self.isa!r} is not available on this CPU ({', '.join(self.isas())})"
+        if self.isa and _brgemm(self.isa):
+            reason = self.check(self.isa, spec.dtype)
+            if reason:
+                return f"kernel path {self.isa!r} failed its self-check for {spec.dtype}: {reason}"
         return None
 
     def plan(self, plan, spec: AttentionSpec) -> _State:
+        return self._state(plan, spec, self.path(spec.dtype))
+
+    def _state(self, plan, spec: AttentionSpec, isa: str) -> _State:
         batch = plan.batch_size
         zeros = np.zeros(batch, dtype=np.int64)
         meta = np.stack([plan.q_starts, plan.qo_lens, zeros if plan.kv_starts is None else plan.kv_starts,
@@ -83,11 +175,11 @@ class NativeBackend(Backend):
             depths = torch.from_numpy(np.ascontiguousarray(plan.node_depths, dtype=np.int64))
         return _State(torch.from_numpy(np.ascontiguousarray(meta)), plan.tree_order.cpu().contiguous(),
                       pages.cpu().contiguous(), min(window or 0, _MAX_WINDOW), spec.logit_softcap or 0.0, row_pos,
-                      depths)
+                      depths, isa)
 
     def _run(self, q, k, v, state: _State, page_size: int, sm_scale: float, out, lse, sinks) -> None:
         self.extension.module().attention(q, k, v, state.meta, state.order, state.pages, page_size, sm_scale, out,
-                                          lse, self.isa, state.window, state.softcap,
+                                          lse, state.isa, state.window, state.softcap,
                                           _NONE if sinks is None else sinks, state.row_pos, state.depths)
 
     def tree_attention(self, q, k, v, plan, state: _State, *, sm_scale: float, out: torch.Tensor,

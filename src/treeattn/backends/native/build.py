@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("native.cpp", "kernel_generic.cpp", "kernel_avx2.cpp")
+SOURCES = ("native.cpp", "brgemm.cpp", "kernel_generic.cpp", "kernel_avx2.cpp", "kernel_avx512.cpp")
 # -fopenmp: at::parallel_for is an OpenMP region compiled into the extension; it links libgomp.so.1,
 # which resolves to the copy torch has already loaded (one thread pool).
 FLAGS = ["-O3", "-fopenmp"]

@@ -1,4 +1,4 @@
-// The tree-attention work item, written once against a vector type `V` of LANES fp32 lanes.
+// The tree-attention work item, written once against a vector type `V` of V::W fp32 lanes.
 //
 // Included by each ISA's translation unit inside its own namespace, after it defines `V`. Every
 // computation is vectorised over query rows: Q is packed transposed and pre-scaled (Q^T [d][rows]),
@@ -49,7 +49,7 @@ static inline void load_row(const void* base, int32_t dtype, int64_t off, int64_
   if (dtype == F32) {
     const float* src = static_cast<const float*>(base) + off;
     int64_t e = 0;
-    for (; e + LANES <= n; e += LANES) V::store(dst + e, V::load(src + e));
+    for (; e + V::W <= n; e += V::W) V::store(dst + e, V::load(src + e));
     for (; e < n; ++e) dst[e] = src[e];
   } else if (dtype == BF16) {
     V::widen_bf16(static_cast<const uint16_t*>(base) + off, dst, n);
@@ -76,10 +76,10 @@ static inline void store_row(void* base, int32_t dtype, int64_t off, int64_t n, 
 static inline bool all_finite(const float* row, int64_t n) {
   typename V::T acc = V::zero();
   int64_t e = 0;
-  for (; e + LANES <= n; e += LANES) acc = V::add(acc, V::mul(V::load(row + e), V::zero()));
-  float lanes[LANES], sum = 0.0f;
+  for (; e + V::W <= n; e += V::W) acc = V::add(acc, V::mul(V::load(row + e), V::zero()));
+  float lanes[V::W], sum = 0.0f;
   V::store(lanes, acc);
-  for (int i = 0; i < LANES; ++i) sum += lanes[i];
+  for (int i = 0; i < V::W; ++i) sum += lanes[i];
   for (; e < n; ++e) sum += row[e] * 0.0f;
   return sum == 0.0f;
 }
@@ -104,27 +104,27 @@ static inline typename V::T tanh_approx(typename V::T x) {
 }
 
 // ------------------------------------------------------------------ micro-kernels
-// Row-indexed buffers (Q^T, S^T/P^T, masks, O^T) are stored as panels of W = RV x LANES rows: panel
+// Row-indexed buffers (Q^T, S^T/P^T, masks, O^T) are stored as panels of W = RV x V::W rows: panel
 // [X][W] for X = d, keys or dv, so a micro-kernel's rows are contiguous and stay in L1 (a plain
 // [X][rows] layout puts consecutive X a multiple of 1 KiB apart, and they evict each other).
 
 // S^T panel rows i0 .. i0 + NB: NB keys x RV vectors of accumulators, one broadcast key element each.
 template <int NB, int RV>
 static inline void qk_block(const float* kt, int64_t d, const float* qt, float* s) {
-  constexpr int W = RV * LANES;
+  constexpr int W = RV * V::W;
   typename V::T acc[NB][RV];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < RV; ++j) acc[i][j] = V::zero();
   for (int64_t k = 0; k < d; ++k) {
     typename V::T q[RV];
-    for (int j = 0; j < RV; ++j) q[j] = V::load(qt + k * W + j * LANES);
+    for (int j = 0; j < RV; ++j) q[j] = V::load(qt + k * W + j * V::W);
     for (int i = 0; i < NB; ++i) {
       const typename V::T b = V::bcast(kt + i * d + k);
       for (int j = 0; j < RV; ++j) acc[i][j] = V::fma(b, q[j], acc[i][j]);
     }
   }
   for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < RV; ++j) V::store(s + i * W + j * LANES, acc[i][j]);
+    for (int j = 0; j < RV; ++j) V::store(s + i * W + j * V::W, acc[i][j]);
 }
 
 // O^T[c0 + i] = alpha * O^T[c0 + i] + sum_n V[n][c0 + i] * P^T[n] on one panel (V rows vs apart: dv, or
@@ -134,30 +134,30 @@ static inline void qk_block(const float* kt, int64_t d, const float* qt, float* 
 template <int DB, int RV, bool MASKED>
 static inline void pv_block(const float* vt, int64_t vs, int64_t c0, const float* p, const float* mask,
                             int64_t count, const float* alpha, float* ot) {
-  constexpr int W = RV * LANES;
+  constexpr int W = RV * V::W;
   typename V::T acc[DB][RV];
   for (int j = 0; j < RV; ++j) {
-    const typename V::T a = V::load(alpha + j * LANES);
-    for (int i = 0; i < DB; ++i) acc[i][j] = V::mul(V::load(ot + (c0 + i) * W + j * LANES), a);
+    const typename V::T a = V::load(alpha + j * V::W);
+    for (int i = 0; i < DB; ++i) acc[i][j] = V::mul(V::load(ot + (c0 + i) * W + j * V::W), a);
   }
   for (int64_t n = 0; n < count; ++n) {
     typename V::T pr[RV];
-    for (int j = 0; j < RV; ++j) pr[j] = V::load(p + n * W + j * LANES);
+    for (int j = 0; j < RV; ++j) pr[j] = V::load(p + n * W + j * V::W);
     for (int i = 0; i < DB; ++i) {
       const typename V::T b = V::bcast(vt + n * vs + c0 + i);
       for (int j = 0; j < RV; ++j) {
-        if (MASKED) acc[i][j] = V::add(acc[i][j], V::band(V::mul(b, pr[j]), V::load(mask + n * W + j * LANES)));
+        if (MASKED) acc[i][j] = V::add(acc[i][j], V::band(V::mul(b, pr[j]), V::load(mask + n * W + j * V::W)));
         else acc[i][j] = V::fma(b, pr[j], acc[i][j]);
       }
     }
   }
   for (int j = 0; j < RV; ++j)
-    for (int i = 0; i < DB; ++i) V::store(ot + (c0 + i) * W + j * LANES, acc[i][j]);
+    for (int i = 0; i < DB; ++i) V::store(ot + (c0 + i) * W + j * V::W, acc[i][j]);
 }
 
 template <int RV>
 static void qk_panel(const float* kt, int64_t d, int64_t keys, const float* qt, float* s) {
-  for (int64_t i = 0; i < keys; i += KEY_PAD) qk_block<KEY_PAD, RV>(kt + i * d, d, qt, s + i * RV * LANES);
+  for (int64_t i = 0; i < keys; i += KEY_PAD) qk_block<KEY_PAD, RV>(kt + i * d, d, qt, s + i * RV * V::W);
 }
 
 template <int RV, bool MASKED>
@@ -215,7 +215,7 @@ static void pv_any(bool guard, const float* vt, int64_t vs, int64_t dv, const fl
 
 static void run_item(const Problem& p, const Item& it, float* scratch) {
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b;
-  const int64_t rows = (it.t1 - it.t0) * group, rp = padded_rows(rows), keys = KEY_TILE + KEY_PAD;
+  const int64_t rows = (it.t1 - it.t0) * group, rp = (rows + V::W - 1) / V::W * V::W, keys = KEY_TILE + KEY_PAD;
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
   float* qt = scratch;
   float* s = qt + d * rp;
@@ -232,10 +232,10 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
   const float* vt = p.v_in_k ? kbuf : vbuf;
   const int64_t vs = p.v_in_k ? d : dv;
   // Panel j holds rows [first, first + width); in a buffer of X rows per query row it starts at X * first.
-  int64_t first[ROW_BLOCK / LANES + 2], width[ROW_BLOCK / LANES + 2], panels = 0;
+  int64_t first[ROW_BLOCK / V::W + 2], width[ROW_BLOCK / V::W + 2], panels = 0;
   for (int64_t r = 0; r < rp; ++panels) {
     first[panels] = r;
-    width[panels] = panel_vectors((rp - r) / LANES) * LANES;
+    width[panels] = panel_vectors((rp - r) / V::W) * V::W;
     r += width[panels];
   }
 
@@ -268,7 +268,7 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
     m[r] = sink && r < rows ? p.sinks2[it.h * group + r % group] : -__builtin_inff();
     l[r] = sink && r < rows ? 1.0f : 0.0f;
   }
-  for (int64_t i = 0; i < dv * rp; i += LANES) V::store(ot + i, V::zero());
+  for (int64_t i = 0; i < dv * rp; i += V::W) V::store(ot + i, V::zero());
 
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   const int64_t* depth = p.node_depth ? p.node_depth + p.tree_starts[b] : nullptr;
@@ -295,10 +295,10 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
       float* mp = mask + keys * first[j];
       float* op = ot + dv * first[j];
       const float* qp = qt + d * first[j];
-      if (w == 3 * LANES) qk_panel<3>(kbuf, d, padded, qp, sp);
-      else if (w == 2 * LANES) qk_panel<2>(kbuf, d, padded, qp, sp);
+      if (w == 3 * V::W) qk_panel<3>(kbuf, d, padded, qp, sp);
+      else if (w == 2 * V::W) qk_panel<2>(kbuf, d, padded, qp, sp);
       else qk_panel<1>(kbuf, d, padded, qp, sp);
-      for (int64_t o = 0; o < w; o += LANES) {  // online softmax of this panel's rows, a vector at a time
+      for (int64_t o = 0; o < w; o += V::W) {  // online softmax of this panel's rows, a vector at a time
         const int64_t r = first[j] + o;
         typename V::T top = V::set1(-__builtin_inff());
         for (int64_t i = 0; i < count; ++i) {
@@ -333,8 +333,8 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
         V::store(alpha + r, a);
       }
       const float* ap = alpha + first[j];
-      if (w == 3 * LANES) pv_any<3>(guard, vt, vs, dv, sp, mp, count, ap, op);
-      else if (w == 2 * LANES) pv_any<2>(guard, vt, vs, dv, sp, mp, count, ap, op);
+      if (w == 3 * V::W) pv_any<3>(guard, vt, vs, dv, sp, mp, count, ap, op);
+      else if (w == 2 * V::W) pv_any<2>(guard, vt, vs, dv, sp, mp, count, ap, op);
       else pv_any<1>(guard, vt, vs, dv, sp, mp, count, ap, op);
     }
   }

@@ -1,4 +1,5 @@
-// AVX2 + FMA + F16C path (x86-64-v3: Haswell, Zen and later). Compiled for that ISA through the
+// AVX2 + FMA + F16C paths (x86-64-v3: Haswell, Zen and later): the FMA kernel (kernel.hpp) and the
+// brgemm kernel's glue (kernel_brgemm.hpp) over 8-lane vectors. Compiled for that ISA through the
 // pragma below, whatever flags the rest of the extension gets; chosen at run time only when cpuid
 // reports all three features.
 #if defined(__x86_64__) || defined(_M_X64)
@@ -11,6 +12,7 @@ namespace treeattn_native {
 namespace avx2 {
 
 struct V {
+  static constexpr int W = 8;
   using T = __m256;
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T set1(float a) { return _mm256_set1_ps(a); }
@@ -28,6 +30,12 @@ struct V {
   static inline T eq(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static inline T select(T mask, T a, T b) { return _mm256_blendv_ps(b, a, mask); }
+  static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
+    const __m256i v = _mm256_set1_epi32(x);
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)), v);
+    const __m256i under = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), v);
+    return _mm256_castsi256_ps(_mm256_andnot_si256(below, under));
+  }
   static inline T visible(const int32_t* enter, int32_t lo, int32_t hi) {  // lo <= enter < hi
     const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(enter));
     const __m256i ge = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(lo - 1));
@@ -50,13 +58,17 @@ struct V {
   }
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
+  static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
+  static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
 };
 
 #include "kernel.hpp"
+#include "x86.hpp"
+#include "kernel_brgemm.hpp"
 
 void V::widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) {
+  for (; i + W <= n; i += W) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
   }
@@ -65,14 +77,39 @@ void V::widen_bf16(const uint16_t* src, float* dst, int64_t n) {
 
 void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
+  for (; i + W <= n; i += W)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {  // as float_to_bf16
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
+    const __m256i even = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));  // NaN stays NaN
+    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(r));
+  }
+  for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+void V::narrow_f16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 }  // namespace avx2
 
 void run_item_avx2(const Problem& p, const Item& it, float* scratch) { avx2::run_item(p, it, scratch); }
+void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch) {
+  avx2::brgemm_item::run(p, it, scratch);
+}
 
 }  // namespace treeattn_native
 #endif

@@ -23,17 +23,18 @@ static inline float exp2_one(float x) {
 }
 
 struct V {
-  struct T { float x[LANES]; };
+  static constexpr int W = 8;
+  struct T { float x[W]; };
   static inline uint32_t bits(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
   static inline float from(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
   static inline T zero() { return set1(0.0f); }
-  static inline T set1(float a) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = a; return r; }
+  static inline T set1(float a) { T r; for (int i = 0; i < W; ++i) r.x[i] = a; return r; }
   static inline T all_ones() { return set1(from(0xffffffffu)); }
-  static inline T load(const float* p) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = p[i]; return r; }
-  static inline void store(float* p, T a) { for (int i = 0; i < LANES; ++i) p[i] = a.x[i]; }
+  static inline T load(const float* p) { T r; for (int i = 0; i < W; ++i) r.x[i] = p[i]; return r; }
+  static inline void store(float* p, T a) { for (int i = 0; i < W; ++i) p[i] = a.x[i]; }
   static inline T bcast(const float* p) { return set1(*p); }
 #define TREEATTN_LANEWISE(name, expr) \
-  static inline T name(T a, T b) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = (expr); return r; }
+  static inline T name(T a, T b) { T r; for (int i = 0; i < W; ++i) r.x[i] = (expr); return r; }
   TREEATTN_LANEWISE(mul, a.x[i] * b.x[i])
   TREEATTN_LANEWISE(add, a.x[i] + b.x[i])
   TREEATTN_LANEWISE(sub, a.x[i] - b.x[i])
@@ -43,18 +44,18 @@ struct V {
   TREEATTN_LANEWISE(band, from(bits(a.x[i]) & bits(b.x[i])))
   TREEATTN_LANEWISE(eq, from(a.x[i] == b.x[i] ? 0xffffffffu : 0u))
 #undef TREEATTN_LANEWISE
-  static inline T fma(T a, T b, T c) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = a.x[i] * b.x[i] + c.x[i]; return r; }  // libm's fmaf is a call
+  static inline T fma(T a, T b, T c) { T r; for (int i = 0; i < W; ++i) r.x[i] = a.x[i] * b.x[i] + c.x[i]; return r; }  // libm's fmaf is a call
   static inline T select(T mask, T a, T b) {
     T r;
-    for (int i = 0; i < LANES; ++i) r.x[i] = (bits(mask.x[i]) >> 31) ? a.x[i] : b.x[i];
+    for (int i = 0; i < W; ++i) r.x[i] = (bits(mask.x[i]) >> 31) ? a.x[i] : b.x[i];
     return r;
   }
   static inline T visible(const int32_t* enter, int32_t lo, int32_t hi) {
     T r;
-    for (int i = 0; i < LANES; ++i) r.x[i] = from(enter[i] >= lo && enter[i] < hi ? 0xffffffffu : 0u);
+    for (int i = 0; i < W; ++i) r.x[i] = from(enter[i] >= lo && enter[i] < hi ? 0xffffffffu : 0u);
     return r;
   }
-  static inline T exp2(T a) { T r; for (int i = 0; i < LANES; ++i) r.x[i] = exp2_one(a.x[i]); return r; }
+  static inline T exp2(T a) { T r; for (int i = 0; i < W; ++i) r.x[i] = exp2_one(a.x[i]); return r; }
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
 };

@@ -19,6 +19,9 @@ namespace treeattn_native {
 void run_item_generic(const Problem& p, const Item& it, float* scratch);
 #if defined(__x86_64__)
 void run_item_avx2(const Problem& p, const Item& it, float* scratch);
+void run_item_avx512(const Problem& p, const Item& it, float* scratch);
+void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch);
+void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
 #endif
 
 namespace {
@@ -40,28 +43,55 @@ bool has_avx2() {
 #endif
 }
 
-// The kernel paths this CPU can run, best first.
+bool has_avx512() {
+#if defined(__x86_64__)
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// The kernel paths this CPU can run, best first for 16-bit dtypes: "brgemm-<isa>" runs the two GEMMs of
+// a tile on oneDNN's micro-kernels (whether oneDNN has them for a dtype here is for the caller to check:
+// a call throws where it has none) and the rest on <isa>'s vectors; "<isa>" is the FMA kernel.
 std::vector<std::string> isas() {
   std::vector<std::string> out;
+  if (has_avx512()) out.push_back("brgemm-avx512");
+  if (has_avx2()) out.push_back("brgemm-avx2");
+  if (has_avx512()) out.push_back("avx512");
   if (has_avx2()) out.push_back("avx2");
   out.push_back("generic");
   return out;
 }
 
+bool is_brgemm(const std::string& isa) { return isa.rfind("brgemm-", 0) == 0; }
+
 ItemFn item_fn(const std::string& isa) {
   const auto names = isas();
-  const std::string want = isa.empty() ? names.front() : isa;
   for (const auto& name : names) {
-    if (name != want) continue;
+    if (name != isa) continue;
 #if defined(__x86_64__)
+    if (name == "brgemm-avx512") return run_item_brgemm_avx512;
+    if (name == "brgemm-avx2") return run_item_brgemm_avx2;
+    if (name == "avx512") return run_item_avx512;
     if (name == "avx2") return run_item_avx2;
 #endif
     return run_item_generic;
   }
   std::string list;
   for (const auto& name : names) list += (list.empty() ? "" : ", ") + name;
-  TORCH_CHECK(false, "native kernel path '", want, "' is not available on this CPU (available: ", list, ")");
+  TORCH_CHECK(false, "native kernel path '", isa, "' is not available on this CPU (available: ", list, ")");
 }
+
+// Ends a thread's brgemm calls (oneDNN's per-thread state, AMX's tile configuration) however it leaves.
+struct Release {
+  bool brgemm;
+  int32_t dtype;
+  ~Release() {
+    if (brgemm) brgemm_release(dtype);
+  }
+};
 
 int32_t dtype_code(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -136,6 +166,7 @@ void merge_group(const Problem& p, const Group& g, std::vector<float>& w) {
 
 void run(const Problem& p, int64_t batch, const std::string& isa) {
   const ItemFn fn = item_fn(isa);
+  const bool brg = is_brgemm(isa);
   const int64_t threads = at::get_num_threads(), block = std::max<int64_t>(1, ROW_BLOCK / p.group);
   std::vector<Group> groups;
   double flops = 0, keys = 0;
@@ -208,7 +239,8 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   // The thread that finishes a split group's last chunk merges it: no second parallel region.
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[groups.size()]);
   for (size_t gi = 0; gi < groups.size(); ++gi) left[gi] = groups[gi].count;
-  const int64_t n_items = int64_t(items.size()), floats = scratch_floats(p, max_rows) + LANES;
+  const int64_t n_items = int64_t(items.size());
+  const int64_t floats = (brg ? brgemm_scratch_floats(p, max_rows) : scratch_floats(p, max_rows)) + MAX_LANES;
   auto work = [&](float* scratch, std::vector<float>& weights, int64_t i) {
     fn(p, items[i], scratch);
     const Group& g = groups[owner[i]];
@@ -217,6 +249,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   if (!parallel) {
     std::unique_ptr<float[]> scratch(new float[size_t(floats)]);  // not zero-filled: every item sets what it reads
     std::vector<float> weights;
+    Release release{brg, p.dtype};
     for (int64_t i = 0; i < n_items; ++i) work(scratch.get(), weights, i);
     return;
   }
@@ -224,6 +257,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::unique_ptr<float[]> scratch(new float[size_t(floats)]);
     std::vector<float> weights;
+    Release release{brg, p.dtype};
     for (int64_t i = next++; i < n_items; i = next++) work(scratch.get(), weights, i);
   });
 }
@@ -369,7 +403,7 @@ void merge_state(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b,
 }  // namespace treeattn_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first");
+  m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first for 16-bit dtypes");
   // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
   m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
         py::call_guard<py::gil_scoped_release>());

@@ -14,8 +14,9 @@ enum DType : int32_t { F32 = 0, F16 = 1, BF16 = 2 };
 // GQA group may not exceed ROW_BLOCK.
 constexpr int64_t KEY_TILE = 64;
 constexpr int64_t ROW_BLOCK = 256;
-// Vector width of every kernel path (8 fp32 lanes), and key padding of a tile for the QK micro-kernel.
-constexpr int64_t LANES = 8;
+// The widest vector of any kernel path (16 fp32 lanes: AVX-512); each path pads its rows to its own
+// width (V::W in kernel.hpp), scratch is sized for this one. Key padding of a tile for the QK micro-kernel.
+constexpr int64_t MAX_LANES = 16;
 constexpr int64_t KEY_PAD = 4;
 
 struct Problem {
@@ -60,11 +61,10 @@ struct Item {
 
 constexpr float EMPTY_LSE = -5e4f;
 
-static inline int64_t padded_rows(int64_t rows) { return (rows + LANES - 1) / LANES * LANES; }
-
-// Floats of scratch one thread needs for items of this problem with at most `rows` query rows.
+// Floats of scratch one thread needs for items of this problem with at most `rows` query rows: the
+// FMA kernel's (kernel.hpp).
 static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
-  const int64_t rp = padded_rows(rows), keys = KEY_TILE + KEY_PAD;
+  const int64_t rp = (rows + MAX_LANES - 1) / MAX_LANES * MAX_LANES, keys = KEY_TILE + KEY_PAD;
   return p.d * rp           // Q^T
          + 2 * keys * rp    // scores / probabilities, and visibility masks
          + p.dv * rp        // O^T
@@ -72,6 +72,31 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
          + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
 }
 
+// The brgemm kernel's (kernel_brgemm.hpp): rows padded to brgemm_rows, head dim to an even count,
+// every buffer aligned to 64 bytes (ALIGN floats of slack for each of its 15 buffers and the start).
+constexpr int64_t ALIGN = 16;
+static inline int64_t brgemm_rows(int64_t rows) { return rows <= 16 ? (rows + 3) / 4 * 4 : (rows + 15) / 16 * 16; }
+static inline int64_t brgemm_scratch_floats(const Problem& p, int64_t rows) {
+  const int64_t mp = brgemm_rows(rows), dp = (p.d + 1) / 2 * 2;
+  return mp * dp              // Q in its dtype
+         + dp * KEY_TILE      // K^T tile (VNNI for 16-bit)
+         + KEY_TILE * p.dv    // V tile (VNNI for 16-bit)
+         + 2 * mp * KEY_TILE  // scores, and 16-bit probabilities
+         + mp * p.dv          // O
+         + 5 * mp             // m, l, alpha, enter, window start of each row
+         + 4 * KEY_TILE       // each key's visibility bounds
+         + p.dv               // one output row
+         + 16 * ALIGN;
+}
+
 using ItemFn = void (*)(const Problem&, const Item&, float* scratch);
+
+// oneDNN's brgemm micro-kernels through PyTorch (brgemm.cpp, the only translation unit that sees torch):
+// C[M x N] (+)= A[M x K] B[K x N], row-major, fp32 C; a 16-bit B is in VNNI layout [K/2][N][2]. Throws
+// (c10::Error) where oneDNN has no kernel for dtype on this CPU. brgemm_release: once per thread after
+// its last call.
+void brgemm(int32_t dtype, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add,
+            const void* a, const void* b, float* c);
+void brgemm_release(int32_t dtype);
 
 }  // namespace treeattn_native

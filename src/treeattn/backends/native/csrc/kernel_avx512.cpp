@@ -1,0 +1,113 @@
+// AVX-512 paths (F, BW, VL, DQ: Skylake-SP, Zen 4 and later): the FMA kernel (kernel.hpp) and the
+// brgemm kernel's glue (kernel_brgemm.hpp) over 16-lane vectors, with masks kept as all-ones float
+// lanes as in the 8-lane paths. Compiled for that ISA through the pragma below; chosen at run time
+// only when cpuid reports all four features.
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "problem.h"
+
+namespace treeattn_native {
+namespace avx512 {
+
+struct V {
+  static constexpr int W = 16;
+  using T = __m512;
+  static inline T from_mask(__mmask16 k) { return _mm512_castsi512_ps(_mm512_movm_epi32(k)); }
+  static inline __mmask16 to_mask(T a) { return _mm512_movepi32_mask(_mm512_castps_si512(a)); }
+  static inline T zero() { return _mm512_setzero_ps(); }
+  static inline T set1(float a) { return _mm512_set1_ps(a); }
+  static inline T all_ones() { return _mm512_castsi512_ps(_mm512_set1_epi32(-1)); }
+  static inline T load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  static inline T bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static inline T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static inline T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static inline T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static inline T max(T a, T b) { return _mm512_max_ps(a, b); }  // b when either is NaN, like maxps
+  static inline T min(T a, T b) { return _mm512_min_ps(a, b); }
+  static inline T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static inline T band(T a, T b) { return _mm512_and_ps(a, b); }
+  static inline T eq(T a, T b) { return from_mask(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ)); }
+  static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline T select(T mask, T a, T b) { return _mm512_mask_blend_ps(to_mask(mask), b, a); }
+  static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
+    const __m512i v = _mm512_set1_epi32(x);
+    return from_mask(_mm512_cmple_epi32_mask(_mm512_loadu_si512(lo), v) & _mm512_cmplt_epi32_mask(v, _mm512_loadu_si512(hi)));
+  }
+  static inline T visible(const int32_t* enter, int32_t lo, int32_t hi) {  // lo <= enter < hi
+    const __m512i e = _mm512_loadu_si512(enter);
+    return from_mask(_mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(hi)));
+  }
+  static inline T exp2(T x) {  // the 8-lane paths' polynomial (kernel_avx2.cpp), 16 lanes at a time
+    x = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), x));
+    const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, whole);
+    __m512 poly = _mm512_set1_ps(1.535336188319500e-4f);
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.339887440266574e-3f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618437357674640e-3f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.550332471162809e-2f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402264791363012e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931472028550421e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(poly, _mm512_castsi512_ps(e));
+  }
+  static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
+  static void widen_f16(const uint16_t* src, float* dst, int64_t n);
+  static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
+  static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
+};
+
+#include "kernel.hpp"
+#include "x86.hpp"
+#include "kernel_brgemm.hpp"
+
+void V::widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {  // as float_to_bf16
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                              _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
+                                              _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+  for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+void V::narrow_f16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+}  // namespace avx512
+
+void run_item_avx512(const Problem& p, const Item& it, float* scratch) { avx512::run_item(p, it, scratch); }
+void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch) {
+  avx512::brgemm_item::run(p, it, scratch);
+}
+
+}  // namespace treeattn_native
+#endif

@@ -1,0 +1,260 @@
+// The tree-attention work item on oneDNN's brgemm micro-kernels (brgemm.cpp): the two GEMMs of every
+// key tile run there, the rest (packing, online softmax, masks, variants) here, against the vector type
+// V of the including translation unit (after kernel.hpp and x86.hpp, whose helpers it shares).
+//
+// Row-major, as the GEMMs want it: S[rows][keys] = Q K^T, with K^T packed per tile (for 16-bit, B's
+// VNNI layout [d/2][keys][2] is the transpose of K's rows read as 32-bit words, so one transpose serves
+// every dtype); the online softmax runs over a row's keys, the ancestor and window tests with them (each
+// key's bounds are vectors, each row's position a scalar); then O[rows][dv] += P V, with P rounded to the
+// dtype (fp32 accumulation) and V packed in VNNI pairs of keys. Q is multiplied unscaled (a scaled 16-bit
+// Q would be rounded twice): the scores are scaled in fp32. M (rows) is padded to a few sizes
+// (brgemm_rows), N and K to the tile, so oneDNN's per-shape kernel cache stays small; pads are zero.
+
+namespace brgemm_item {
+
+constexpr int32_t NEVER = -2147483647 - 1, ALWAYS = 2147483647;
+
+static inline float* aligned(float* at) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(at) + 4 * ALIGN - 1) & ~uintptr_t(4 * ALIGN - 1));
+}
+
+// Whether a stored row of n values of dtype holds an inf or NaN (all exponent bits set).
+static bool nonfinite_row(const char* row, int32_t dtype, int64_t n) {
+  for (int64_t e = 0; e < n; ++e) {
+    if (dtype == F32) {
+      uint32_t u;
+      __builtin_memcpy(&u, row + 4 * e, 4);
+      if ((u & 0x7f800000u) == 0x7f800000u) return true;
+    } else {
+      uint16_t u;
+      __builtin_memcpy(&u, row + 2 * e, 2);
+      const uint16_t exp = dtype == BF16 ? 0x7f80u : 0x7c00u;
+      if ((u & exp) == exp) return true;
+    }
+  }
+  return false;
+}
+
+// K^T of a tile: `words` 32-bit words of each of `count` key rows into dst[word][KEY_TILE] (keys past
+// count zero). `half`: the rows' last word holds one 16-bit value only (odd d): its upper half is zero.
+static void pack_kt(const char* const* rows, int64_t count, int64_t words, bool half, uint32_t* dst) {
+  const int64_t full = half ? words - 1 : words;
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    int64_t w = 0;
+    for (; w + 8 <= full; w += 8) transpose8x8(rows + i, 4 * w, dst + w * KEY_TILE + i, KEY_TILE);
+    for (; w < full; ++w)
+      for (int64_t r = 0; r < 8; ++r) __builtin_memcpy(dst + w * KEY_TILE + i + r, rows[i + r] + 4 * w, 4);
+  }
+  for (; i < count; ++i)
+    for (int64_t w = 0; w < full; ++w) __builtin_memcpy(dst + w * KEY_TILE + i, rows[i] + 4 * w, 4);
+  for (int64_t w = 0; w < full; ++w)
+    for (int64_t r = count; r < KEY_TILE; ++r) dst[w * KEY_TILE + r] = 0;
+  if (half)
+    for (int64_t r = 0; r < KEY_TILE; ++r) {
+      uint16_t x = 0;
+      if (r < count) __builtin_memcpy(&x, rows[r] + 4 * full, 2);
+      dst[full * KEY_TILE + r] = x;
+    }
+}
+
+// V of a tile: fp32 rows as they are into dst[key][dv]; 16-bit rows in VNNI pairs of keys,
+// dst[key / 2][dv][2]. Keys past count are zero.
+static void pack_v(const char* const* rows, int64_t count, int64_t dv, int32_t dtype, void* dst) {
+  if (dtype == F32) {
+    float* out = static_cast<float*>(dst);
+    for (int64_t i = 0; i < KEY_TILE; ++i) {
+      if (i < count) __builtin_memcpy(out + i * dv, rows[i], size_t(4 * dv));
+      else for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = 0.0f;
+    }
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < KEY_TILE; i += 2) {
+    if (i < count) interleave16(rows[i], i + 1 < count ? rows[i + 1] : nullptr, out + i * dv, dv);
+    else for (int64_t c = 0; c < 2 * dv; ++c) out[i * dv + c] = 0;
+  }
+}
+
+// Zero key i's values in a packed V tile (its contribution is then added row by row, see run).
+static void clear_v(void* vt, int32_t dtype, int64_t dv, int64_t i) {
+  if (dtype == F32) {
+    for (int64_t c = 0; c < dv; ++c) static_cast<float*>(vt)[i * dv + c] = 0.0f;
+    return;
+  }
+  uint16_t* pair = static_cast<uint16_t*>(vt) + (i / 2) * 2 * dv + (i % 2);
+  for (int64_t c = 0; c < dv; ++c) pair[2 * c] = 0;
+}
+
+static void run(const Problem& p, const Item& it, float* scratch) {
+  const bool wide = p.dtype == F32;  // 32-bit elements
+  const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, esize = wide ? 4 : 2;
+  const int64_t rows = (it.t1 - it.t0) * group, mp = brgemm_rows(rows);
+  const int64_t dp = wide ? d : (d + 1) / 2 * 2;  // the QK GEMM's K: 16-bit pairs need an even count
+  const int64_t words = wide ? d : dp / 2;       // 32-bit words of a K row
+  const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
+  float* cursor = aligned(scratch);
+  auto take = [&](int64_t floats) {
+    float* at = cursor;
+    cursor += (floats + ALIGN - 1) / ALIGN * ALIGN;
+    return at;
+  };
+  char* qa = reinterpret_cast<char*>(take(mp * dp));  // Q [mp][dp] in its dtype (halves used for 16-bit)
+  uint32_t* kt = reinterpret_cast<uint32_t*>(take(dp * KEY_TILE));
+  void* vt = take(KEY_TILE * dv);
+  float* s = take(mp * KEY_TILE);
+  uint16_t* pa = reinterpret_cast<uint16_t*>(take(mp * KEY_TILE));  // 16-bit P (fp32 P stays in s)
+  float* o = take(mp * dv);
+  float* m = take(mp);
+  float* l = take(mp);
+  int32_t* enter = reinterpret_cast<int32_t*>(take(mp));
+  int32_t* row_lo = reinterpret_cast<int32_t*>(take(mp));
+  int32_t* klo = reinterpret_cast<int32_t*>(take(KEY_TILE));  // key i visible to row r iff
+  int32_t* khi = reinterpret_cast<int32_t*>(take(KEY_TILE));  //   klo[i] <= enter[r] < khi[i]
+  int32_t* wlo = reinterpret_cast<int32_t*>(take(KEY_TILE));  //   and wlo[i] <= row_lo[r] < whi[i]
+  int32_t* whi = reinterpret_cast<int32_t*>(take(KEY_TILE));
+  float* orow = take(dv);
+  const char* kr[KEY_TILE];
+  const char* vr[KEY_TILE];
+  int64_t bad[KEY_TILE];  // keys of a masked tile whose V row is not finite
+
+  // Q rows as stored (padding: zero rows and columns); each row's tree entry and window start.
+  int64_t edge = 0;  // prefix keys below it are outside some row's window
+  for (int64_t r = 0; r < mp; ++r) {
+    char* dst = qa + r * dp * esize;
+    int64_t filled = 0;
+    row_lo[r] = 0;
+    enter[r] = -1;
+    if (r < rows) {
+      const int64_t t = it.t0 + r / group, g = r % group;
+      const char* src = static_cast<const char*>(p.q) + ((p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head) * esize;
+      __builtin_memcpy(dst, src, size_t(d * esize));
+      filled = d;
+      enter[r] = n ? p.tree_order[2 * (p.tree_starts[b] + t + n - qo)] : -1;
+      if (p.window) {
+        const int64_t lo = p.row_pos[p.q_starts[b] + t] - p.window + 1;
+        row_lo[r] = int32_t(lo < 0 ? 0 : imin(lo, kv));
+        edge = edge > row_lo[r] ? edge : imin(row_lo[r], tree_lo);
+      }
+    }
+    for (int64_t e = filled * esize; e < dp * esize; ++e) dst[e] = 0;
+  }
+  const bool sink = p.sinks2 && !it.part_o;  // as in kernel.hpp: the merge adds a split item's sinks
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = sink ? p.sinks2[it.h * group + r % group] : -__builtin_inff();
+    l[r] = sink ? 1.0f : 0.0f;
+  }
+  for (int64_t i = 0; i < mp * dv; ++i) o[i] = 0.0f;
+  for (int64_t i = rows * KEY_TILE; i < mp * KEY_TILE; ++i) pa[i] = 0;  // padding rows' P: never written
+
+  const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
+  const int64_t* depth = p.node_depth ? p.node_depth + p.tree_starts[b] : nullptr;
+  const typename V::T cap = V::set1(p.cap2), scale = V::set1(p.q_scale), minus_inf = V::set1(-__builtin_inff());
+  for (int64_t j0 = it.c0; j0 < it.c1; j0 += KEY_TILE) {
+    const int64_t count = imin(KEY_TILE, it.c1 - j0);
+    for (int64_t i = 0; i < count; ++i) {
+      kr[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
+      vr[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
+      if (j0 + KEY_TILE + i < it.c1) {  // the next tile's rows: a token-major stride the prefetchers miss
+        const int64_t next = j0 + KEY_TILE + i;
+        const char* nk = static_cast<const char*>(p.k) + key_offset(p, b, next, p.k_page, p.k_tok, p.k_head, it.h) * esize;
+        const char* nv = static_cast<const char*>(p.v) + key_offset(p, b, next, p.v_page, p.v_tok, p.v_head, it.h) * esize;
+        for (int64_t c = 0; c < d * esize; c += 64) __builtin_prefetch(nk + c);
+        for (int64_t c = 0; c < dv * esize; c += 64) __builtin_prefetch(nv + c);
+      }
+    }
+    pack_kt(kr, count, words, !wide && (d % 2), kt);
+    pack_v(vr, count, dv, p.dtype, vt);
+    brgemm(p.dtype, mp, KEY_TILE, dp, dp, KEY_TILE, KEY_TILE, false, qa, kt, s);
+
+    // Visibility (as in kernel.hpp), on tiles holding keys some row cannot see: tree keys, the window's
+    // ragged edge, and the padding keys of a short tile. An invisible score becomes -inf (probability 0);
+    // a non-finite V row of such a key would still reach every row through 0 * inf in the GEMM, so it is
+    // cleared there and added to the rows that see it one by one.
+    const bool edged = p.window && j0 < edge;
+    const bool masked = (n > 0 && j0 + count > tree_lo) || edged || count < KEY_TILE;
+    int64_t nbad = 0;
+    if (masked) {
+      for (int64_t i = 0; i < KEY_TILE; ++i) {
+        const int64_t node = j0 + i - tree_lo;
+        klo[i] = i >= count ? ALWAYS : node < 0 ? NEVER : order[2 * node];
+        khi[i] = i >= count ? NEVER : node < 0 ? ALWAYS : order[2 * node + 1];
+        wlo[i] = NEVER;
+        whi[i] = p.window && i < count ? int32_t((node < 0 ? j0 + i : tree_lo + depth[node]) + 1) : ALWAYS;
+      }
+      for (int64_t i = edged ? 0 : tree_lo > j0 ? tree_lo - j0 : 0; i < count; ++i)
+        if (nonfinite_row(vr[i], p.dtype, dv)) {
+          bad[nbad++] = i;
+          clear_v(vt, p.dtype, dv, i);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // online softmax, a row at a time
+      float* sr = s + r * KEY_TILE;
+      typename V::T top = minus_inf;
+      for (int64_t i = 0; i < KEY_TILE; i += V::W) {
+        typename V::T x = V::mul(V::load(sr + i), scale);
+        if (p.cap2 != 0.0f) x = V::mul(tanh_approx(x), cap);
+        if (masked)
+          x = V::select(V::band(V::range(klo + i, khi + i, enter[r]), V::range(wlo + i, whi + i, row_lo[r])), x,
+                        minus_inf);
+        V::store(sr + i, x);
+        top = V::max(top, x);
+      }
+      float lanes[V::W], fresh = m[r], total = 0.0f;
+      V::store(lanes, top);
+      for (int i = 0; i < V::W; ++i) fresh = lanes[i] > fresh ? lanes[i] : fresh;
+      // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
+      const float shift = fresh == -__builtin_inff() ? 0.0f : fresh;
+      const typename V::T vshift = V::set1(shift);
+      typename V::T sum = V::zero();
+      for (int64_t i = 0; i < KEY_TILE; i += V::W) {
+        const typename V::T e = V::exp2(V::sub(V::load(sr + i), vshift));
+        V::store(sr + i, e);
+        sum = V::add(sum, e);
+      }
+      V::store(lanes, sum);
+      for (int i = 0; i < V::W; ++i) total += lanes[i];
+      V::store(lanes, V::exp2(V::set1(m[r] - shift)));
+      const float alpha = lanes[0];
+      l[r] = l[r] * alpha + total;
+      m[r] = fresh;
+      if (alpha != 1.0f) {
+        float* orr = o + r * dv;
+        int64_t c = 0;
+        for (; c + V::W <= dv; c += V::W) V::store(orr + c, V::mul(V::load(orr + c), V::set1(alpha)));
+        for (; c < dv; ++c) orr[c] *= alpha;
+      }
+      if (p.dtype == BF16) V::narrow_bf16(sr, pa + r * KEY_TILE, KEY_TILE);
+      else if (p.dtype == F16) V::narrow_f16(sr, pa + r * KEY_TILE, KEY_TILE);
+    }
+    brgemm(p.dtype, mp, dv, KEY_TILE, KEY_TILE, dv, dv, true, wide ? static_cast<const void*>(s) : pa, vt, o);
+    for (int64_t k = 0; k < nbad; ++k) {
+      const int64_t i = bad[k];
+      load_row(vr[i], p.dtype, 0, dv, orow);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (!(klo[i] <= enter[r] && enter[r] < khi[i] && wlo[i] <= row_lo[r] && row_lo[r] < whi[i])) continue;
+        const float pr = wide ? s[r * KEY_TILE + i]
+                              : p.dtype == BF16 ? bf16_to_float(pa[r * KEY_TILE + i]) : half_to_float(pa[r * KEY_TILE + i]);
+        for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += pr * orow[c];
+      }
+    }
+  }
+
+  // Normalise and write: the final output, or this chunk's partial result.
+  for (int64_t r = 0; r < rows; ++r) {
+    const float sum = l[r];
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float lse = sum > 0.0f ? __builtin_log2f(sum) + m[r] : EMPTY_LSE;
+    float* row = it.part_o ? it.part_o + r * dv : orow;
+    for (int64_t c = 0; c < dv; ++c) row[c] = o[r * dv + c] * inv;
+    if (it.part_o) {
+      it.part_lse[r] = lse;
+    } else {
+      const int64_t t = p.q_starts[b] + it.t0 + r / group, head = it.h * group + r % group;
+      store_row(p.out, p.dtype, t * p.o_row + head * p.o_head, dv, row);
+      p.lse[t * p.l_row + head * p.l_head] = lse;
+    }
+  }
+}
+
+}  // namespace brgemm_item

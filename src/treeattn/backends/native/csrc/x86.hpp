@@ -1,0 +1,41 @@
+// Data movement shared by the x86 brgemm paths (AVX2 and AVX-512 translation units), included inside
+// each one's namespace after its target pragma: every function here is static (internal linkage), so
+// each translation unit keeps its own copy, compiled for its own ISA (see problem.h).
+
+// An 8 x 8 block of 32-bit words, rows[r] + off (bytes) for r < 8, transposed into dst[c * ld + r].
+static inline void transpose8x8(const char* const* rows, int64_t off, uint32_t* dst, int64_t ld) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(rows[i] + off));
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);  // row i, i+1 interleaved: words 0, 1 | 4, 5
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // words 2, 3 | 6, 7
+  }
+  for (int i = 0; i < 8; i += 4) {  // four rows' word c | c + 4, for c = 0 .. 3
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(reinterpret_cast<float*>(dst + c * ld), _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(reinterpret_cast<float*>(dst + (c + 4) * ld), _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
+
+// dst[2i] = a[i], dst[2i + 1] = b[i] for i < n 16-bit values (b null: zeros): one VNNI row pair.
+static inline void interleave16(const char* a, const char* b, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2 * i));
+    const __m128i vb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i)) : _mm_setzero_si128();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi16(va, vb));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 8), _mm_unpackhi_epi16(va, vb));
+  }
+  for (; i < n; ++i) {
+    uint16_t x = 0, y = 0;
+    __builtin_memcpy(&x, a + 2 * i, 2);
+    if (b) __builtin_memcpy(&y, b + 2 * i, 2);
+    dst[2 * i] = x;
+    dst[2 * i + 1] = y;
+  }
+}

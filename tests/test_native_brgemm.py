@@ -1,0 +1,164 @@
+"""The native kernel's brgemm paths beyond tests/test_native*.py (which run every path this CPU has,
+forced one at a time, on the CPU suite's cases): the self-check that switches a path off, a CPU that has
+a dtype's oneDNN kernels passing it, oneDNN capped to lower ISAs (``ONEDNN_MAX_CPU_ISA`` only acts
+before oneDNN initialises: subprocesses), and many threads on one brgemm shape (pytorch/pytorch#187912).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_native import ISAS
+from treeattn.backends import AttentionSpec
+from treeattn.backends.native import NativeBackend
+from treeattn.backends.native.build import EXTENSION
+
+pytestmark = pytest.mark.skipif(EXTENSION.failure() is not None, reason=f"native kernel not built: {EXTENSION.failure()}")
+
+BRGEMM = [isa for isa in ISAS if isa.startswith("brgemm-")]
+FMA = next(isa for isa in ISAS if not isa.startswith("brgemm-")) if ISAS else None  # the self-check's baseline
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+CAPPED = "ONEDNN_MAX_CPU_ISA" in os.environ or "DNNL_MAX_CPU_ISA" in os.environ
+
+
+class Faulty:
+    """The real extension, except that its brgemm paths raise or come out wrong: an injected failing path."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.real = EXTENSION.module()
+
+    def failure(self):
+        return None
+
+    def module(self):
+        return self
+
+    def isas(self):
+        return self.real.isas()
+
+    def attention(self, q, k, v, meta, order, pages, page_size, sm_scale, out, lse, isa, *variants):
+        if isa.startswith("brgemm-") and self.mode == "raise":
+            raise RuntimeError("injected: no micro-kernel for this dtype")
+        self.real.attention(q, k, v, meta, order, pages, page_size, sm_scale, out, lse, isa, *variants)
+        if isa.startswith("brgemm-") and self.mode == "wrong":
+            out[0, 0, 0] += 1.0
+
+
+@pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
+@pytest.mark.parametrize("mode", ["raise", "wrong"])
+def test_a_failing_brgemm_path_is_switched_off_with_one_warning(mode):
+    faulty = Faulty(mode)
+    fallback = FMA
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert NativeBackend(extension=faulty).path(torch.bfloat16) == fallback
+        assert NativeBackend(extension=faulty).path(torch.bfloat16) == fallback  # checked once per process
+    assert len(caught) == len(BRGEMM), [str(w.message) for w in caught]  # one per path, none on the second ask
+    why = "injected" if mode == "raise" else "differs from"
+    for path, warning in zip(BRGEMM, caught):
+        assert path in str(warning.message) and why in str(warning.message) and "bfloat16" in str(warning.message)
+    spec = AttentionSpec(torch.device("cpu"), torch.bfloat16, 8, 2, 64, 64)
+    assert "self-check" in NativeBackend(isa=BRGEMM[0], extension=faulty).unsupported(spec)
+    assert NativeBackend(extension=faulty).unsupported(spec) is None  # the default runs on the fallback
+
+
+def expected_brgemm_dtypes() -> list[torch.dtype]:
+    """The dtypes oneDNN has brgemm kernels for on this CPU (torch 2.13's CPUBlas.cpp: fp32 from AVX2; bf16
+    in VNNI layout from AVX-512, natively with AVX512-BF16 or AMX; fp16 in VNNI layout with AMX-FP16 only)."""
+    dtypes = [torch.float32]
+    if FLAGS & {"avx512_bf16", "amx_bf16"}:
+        dtypes.append(torch.bfloat16)
+    if "amx_fp16" in FLAGS:
+        dtypes.append(torch.float16)
+    return dtypes
+
+
+@pytest.mark.skipif(not BRGEMM or CAPPED, reason="no brgemm path, or oneDNN's ISA is capped in this process")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_brgemm_kernels_this_cpu_has_pass_their_check(dtype):
+    """A dtype's brgemm path is off only where oneDNN lacks its kernels: a CPU that has them must not
+    silently skip every brgemm test (tests/test_native*.py skip a path whose check fails)."""
+    if dtype not in expected_brgemm_dtypes():
+        pytest.skip(f"oneDNN has no {dtype} brgemm kernels on this CPU (what it needs: expected_brgemm_dtypes)")
+    for isa in BRGEMM:
+        assert NativeBackend().check(isa, dtype) is None
+    if dtype != torch.float32:
+        assert NativeBackend().path(dtype) == BRGEMM[0]
+
+
+def run_python(code: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (a crash there fails the test instead of killing pytest)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
+@pytest.mark.parametrize("cap", ["AVX2", "AVX512_CORE"])
+def test_brgemm_paths_under_a_capped_onednn(cap):
+    """oneDNN capped to a lower ISA (the paths a smaller CPU runs): every brgemm path and dtype either
+    passes the suite's cases against the float64 reference or is switched off by its check and skipped."""
+    if cap == "AVX512_CORE" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS:
+        pytest.skip("this CPU has no AVX-512")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
+                             "brgemm and (mixed_batch or variants_every_path or split)",
+                             "tests/test_native.py", "tests/test_native_variants.py"],
+                            cwd=ROOT, env={**os.environ, "ONEDNN_MAX_CPU_ISA": cap}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
+    if cap == "AVX2":  # no 16-bit kernels below AVX-512: bf16 is switched off, fp32 runs
+        assert "skipped" in result.stdout
+
+
+@pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
+def test_many_threads_on_one_brgemm_shape():
+    """pytorch/pytorch#187912 (segfaults with many threads calling AMX brgemm on one shape): 4 Python threads
+    at once, each a call whose prefix is split across 16 OpenMP threads (oversubscribed), every dtype whose
+    check passes, every result checked against the FMA kernel's. In a subprocess: a crash fails the test."""
+    result = run_python(f"""
+        import threading, torch, warnings
+        warnings.simplefilter("ignore")
+        from treeattn.backends import AttentionSpec
+        from treeattn.backends.native import NativeBackend
+        from treeattn.plan import TreeAttentionPlan
+        from treeattn.testing import Request, binary, make_batch
+        torch.set_num_threads(16)
+        errors = []
+        def worker(seed, isa, dtype):
+            try:
+                batch = make_batch([Request(binary(31), prefix=3000, qo=20)], h_q=8, h_kv=1, d=128, dtype=dtype, seed=seed)
+                plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+                spec = AttentionSpec(torch.device("cpu"), dtype, 8, 1, 128, 128)
+                outs = []
+                for name in (isa, "{FMA}"):
+                    backend = NativeBackend(isa=name)
+                    state = backend.plan(plan, spec)
+                    for _ in range(10 if name == isa else 1):
+                        out = torch.full_like(batch.q, float("nan"))
+                        lse = torch.full(batch.q.shape[:2], float("nan"))
+                        backend.tree_attention(batch.q, batch.k, batch.v, plan, state, sm_scale=0.088, out=out, lse=lse)
+                        outs.append(out.float())
+                tol = 2e-5 if dtype == torch.float32 else 3e-2
+                for out in outs[:-1]:
+                    torch.testing.assert_close(out, outs[-1], atol=tol, rtol=tol)
+            except Exception as exc:
+                errors.append(repr(exc))
+        jobs = [(isa, dtype) for isa in {BRGEMM!r} for dtype in (torch.float32, torch.bfloat16, torch.float16)
+                if NativeBackend().check(isa, dtype) is None]
+        threads = [threading.Thread(target=worker, args=(i, *jobs[i % len(jobs)])) for i in range(4 * len(jobs))]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        assert not errors, errors
+        print("ok", len(threads), "calls of", jobs)
+    """, {}, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
