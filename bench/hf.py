@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
-import platform
 import pstats
 import sys
 import time
@@ -61,6 +60,7 @@ def _paths(tree, budget: int, eos: int):
 
 def main(argv=None) -> int:
     from treeattn.cli.demo import BUILTIN_PROMPTS, chat_ids
+    from treeattn.cli.machine import describe_cpu
     from treeattn.models import load_smollm2
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
 
     names = list(paths)
     base = names[0]
-    lines = [f"torch {torch.__version__}, {args.threads} thread{'s' if args.threads != 1 else ''}, {platform.processor() or platform.machine()}; "
+    threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
+    lines = [f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}; torch {torch.__version__}, {threads}; "
              f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f}; "
              f"best of {args.repeats} interleaved repeats, tree budget {args.tree_budget}, "
              f"up to {MAX_NEW} new tokens, stop at EOS; demo-spec: {described}", "",

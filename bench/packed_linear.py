@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from treeattn.cli.demo import chat_ids
+from treeattn.cli.machine import describe_cpu
 from treeattn.models.loader import load_smollm2
 from treeattn.packed_linear import PackedLinear
 
@@ -70,7 +70,7 @@ def main() -> int:
     finally:
         PackedLinear.forward = packed_forward
     lines = [f"# pack_linears: SmolLM2-135M forward time by tree size, CPU float32, {args.threads} thread(s)", "",
-             f"`python bench/packed_linear.py --repeats {args.repeats}`: {platform.machine()}, {os.cpu_count()} cpus, "
+             f"`python bench/packed_linear.py --repeats {args.repeats}`: {describe_cpu()}, {time.strftime('%Y-%m-%d')}, "
              f"torch {torch.__version__}, load average {min(loads):.1f}-{max(loads):.1f} during the run. "
              f"Median of 15 forwards after a {len(context)}-token context; each repeat's median in brackets.", "",
              "| tree nodes | " + " | ".join(variants) + " | F.linear / packed |", "|---:|" + "---:|" * (len(variants) + 1)]

@@ -207,7 +207,8 @@ def main_demo(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature) if args.temperature > 0 else None
     mode = f"sampling at temperature {args.temperature:g}, seed {args.seed}" if sampling else "greedy"
     out.print(f"[bold]{name}[/bold]: {engine}")
-    out.print(f"on {args.device} ({args.dtype}, {threads} thread{'s' if threads != 1 else ''}{why}), loaded in {load_s:.0f} s; {mode}; {described}")
+    plural = "s" if threads != 1 else ""
+    out.print(f"on {args.device} ({args.dtype}, {threads} thread{plural}{why}), loaded in {load_s:.0f} s; {mode}; {described}")
     with model.attention():  # "treeattn" for the whole run (a forward outside would switch it each time)
         return _run(args, out, model, tokenizer, name, engine, drafter, described, sampling, load_s)
 

@@ -1,0 +1,37 @@
+"""The native kernel's build cache across checkouts: one build per set of sources, never a rebuild loop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+from treeattn.backends.native import build
+
+LOAD = ("import sys; from pathlib import Path; from treeattn.backends.native.build import Extension, "
+        "default_build_directory; e = Extension(csrc=Path(sys.argv[1])); e.module(); "
+        "print(default_build_directory(Path(sys.argv[1])))")
+
+
+def test_two_checkouts_of_the_same_sources_share_one_build_without_rebuilding(tmp_path):
+    """Two source folders with the same sources (a development checkout and an installed copy) load in
+    turn, each in a fresh process: after the first, none compiles and the module file is never rewritten
+    (PyTorch's ninja file named the loading checkout's source paths, so each rebuilt the other's module,
+    silently, 1-4 minutes a process)."""
+    checkouts = [tmp_path / "checkout-a", tmp_path / "checkout-b"]
+    for csrc in checkouts:
+        shutil.copytree(build.CSRC, csrc)
+    env = {k: v for k, v in os.environ.items() if k != "TREEATTN_NATIVE_ISA"}
+    stamps = []
+    for csrc in (*checkouts, *checkouts, checkouts[0]):
+        run = subprocess.run([sys.executable, "-c", LOAD, str(csrc)], env=env, capture_output=True, text=True,
+                             timeout=900)
+        assert run.returncode == 0, run.stderr[-3000:]
+        if stamps:
+            assert "compiling" not in run.stderr, f"loading from {csrc.name} compiled again:\n{run.stderr[-2000:]}"
+        folder = run.stdout.split()[-1]
+        modules = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".so")]
+        assert len(modules) == 1
+        stamps.append((folder, os.stat(modules[0]).st_mtime_ns))
+    assert len(set(stamps)) == 1, f"the module was rebuilt: {stamps}"
