@@ -22,6 +22,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from treeattn import paged_tree_attention
+from treeattn.cli.machine import describe_cpu
 from treeattn.vllm.batch import split_kv_cache, step_plan
 
 H_Q, H_KV, D, PAGE, PAGES = 9, 3, 64, 128, 200
@@ -67,6 +68,7 @@ def main() -> None:
     torch.set_num_threads(1)
     lines = [f"# One attention call (one layer), treeattn vs vLLM CPU_ATTN ({_get_attn_isa(torch.float32, PAGE, D)} "
              f"kernels), 1 thread, load average before {os.getloadavg()[0]:.1f}", "",
+             f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}; torch {torch.__version__}.", "",
              "| requests x new tokens | context | dtype | plan (ms/step) | treeattn (ms) | CPU_ATTN (ms) | ratio |",
              "|---|---:|---|---:|---:|---:|---:|"]
     lines += [row(*step, dtype) for dtype in (torch.bfloat16, torch.float32) for step in STEPS]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 from vllm_engines import engine_env, run_engine, write_results
+
+from treeattn.cli.machine import describe_cpu
 
 BACKENDS = ("cpu_attn", "treeattn")
 
@@ -95,7 +96,7 @@ def main() -> None:
 
             args.model = str(save_smollm2(Path(tmp) / "smollm2"))
         results = {"vllm": vllm.__version__, "args": {k: v for k, v in vars(args).items() if k != "serve"},
-                   "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}, "
                               f"load average before {os.getloadavg()[0]:.1f}"}
         for name in BACKENDS:
             out = Path(tmp) / f"{name}.json"
