@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_engines import engine_env, run_engine, write_results
-
 from treeattn.cli.machine import describe_cpu
+from vllm_engines import engine_env, run_engine, write_results
 
 BACKENDS = ("cpu_attn", "treeattn")
 
