@@ -361,3 +361,36 @@ def test_numpy_views_with_their_own_strides_match_the_reference(backend):
     treeattn.tree_attention(q, args[0], k, v, *args[1:], out=out, lse=lse, backend=backend)
     ref_out, ref_lse = treeattn.tree_attention(q, args[0], k, v, *args[1:], backend="reference")
     assert_close_to_reference(out, lse, ref_out, ref_lse, torch.float32)
+
+
+# ---------------------------------------------------------------- plans under torch.inference_mode
+
+def test_a_plan_built_under_inference_mode_checks_its_arrays_by_value():
+    """vLLM builds its step metadata under inference_mode, where tensors have no version counter: planning
+    raised "Inference tensors do not track version counter"; now such arrays are checked by value."""
+    batch = make_batch([Request(binary(7), prefix=20)], h_q=4, h_kv=2, d=16)
+    with torch.inference_mode():
+        q_indptr, kv_indptr = batch.q_indptr.clone(), batch.kv_indptr.clone()
+        plan = treeattn.TreeAttentionPlan.ragged(q_indptr, kv_indptr, batch.tree_indptr, batch.tree_order)
+        out, _ = treeattn.tree_attention(batch.q, q_indptr, batch.k, batch.v, kv_indptr, None, None, plan=plan)
+        ref, _ = treeattn.tree_attention(*batch.ragged_args(), backend="reference")
+        torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=1e-5)
+        kv_indptr[1] -= 1  # changed in place after planning: refused, never silently used
+        with pytest.raises(ValueError, match="kv_indptr holds other values"):
+            treeattn.tree_attention(batch.q, q_indptr, batch.k, batch.v, kv_indptr, None, None, plan=plan)
+
+
+def test_native_self_checks_run_under_inference_mode():
+    """The native kernel's once-per-process self-check of a brgemm path builds a plan; the first bf16 call
+    inside vLLM (under inference_mode) ran it there and failed. A fresh process, so the check runs now."""
+    proc = _run_python("""
+        import torch, treeattn
+        from treeattn.testing import Request, binary, make_batch
+        batch = make_batch([Request(binary(9), prefix=80)], h_q=8, h_kv=2, d=64, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            out, lse = treeattn.tree_attention(*batch.ragged_args())
+        ref, _ = treeattn.tree_attention(*batch.ragged_args(), backend="reference")
+        assert (out.double() - ref).abs().max() < 3e-2, (out.double() - ref).abs().max()
+        print("ok")
+    """)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

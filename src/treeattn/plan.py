@@ -79,7 +79,10 @@ class _Input(NamedTuple):
 
     @classmethod
     def of(cls, source: Any, host: np.ndarray) -> _Input:
-        return cls(source, source._version if isinstance(source, torch.Tensor) else None, host)
+        # A tensor made under inference_mode (vLLM's step metadata) has no version counter: a CPU one is
+        # recognised by its values instead (see TreeAttentionPlan.check_inputs).
+        tracked = isinstance(source, torch.Tensor) and not source.is_inference()
+        return cls(source, source._version if tracked else None, host)
 
 
 def _positive_int(x: Any, name: str, minimum: int = 1) -> int:
@@ -283,8 +286,11 @@ class TreeAttentionPlan:
             if x is None:
                 continue
             rec = self._inputs[name]
-            if x is rec.source and (rec.version is None or x._version == rec.version):
-                continue
+            if x is rec.source:
+                if rec.version is not None and x._version == rec.version:
+                    continue
+                if rec.version is None and not (isinstance(x, torch.Tensor) and x.device.type == "cpu"):
+                    continue  # untracked: a host array, or a device tensor made under inference_mode
             if isinstance(x, torch.Tensor) and x.device.type != "cpu":
                 raise ValueError(f"{name} is not the tensor this plan was built from, or was changed in place since: "
                                  f"pass None (the plan's own {name}) or build a new plan")
