@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from treeattn.cli.demo import (
     chat_ids,
     pick_threads,
 )
+from treeattn.cli.machine import describe_cpu
 from treeattn.models.loader import load_smollm2
 from treeattn.speculative import NGramDrafter
 from treeattn.speculative.adaptive import probe_cost
@@ -101,7 +101,7 @@ def main() -> int:
     summary = summarize(runs, methods)
     record = {"model": MODEL_NAME, "dtype": "float32", "threads": threads, "why_threads": why.strip(),
               "max_tokens": args.max_tokens, "tree_budget": args.tree_budget, "reps": args.reps,
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+              "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}",
               "torch": torch.__version__, "heads": str(find_heads()), "summary": summary, "runs": runs,
               "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)]}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from speculative import NO_LOOKUP  # bench/speculative.py: prompts with nothing to look up
+from treeattn.cli.machine import describe_cpu
 from vllm_engines import engine_env, run_engine, write_results
 
 METHODS = {"plain": None, "chain ngram 5": {"chain": 5}, "chain ngram 15": {"chain": 15},
@@ -136,7 +136,7 @@ def main() -> None:
         prompts_file = Path(tmp) / "prompts.json"
         prompts_file.write_text(json.dumps(prompts))
         results = {"vllm": vllm.__version__, "args": {k: v for k, v in vars(args).items() if k != "serve"},
-                   "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}, "
                               f"load average before {os.getloadavg()[0]:.1f}", "methods": {}}
         rounds: dict[str, list[dict]] = {name: [] for name in args.methods}
         for r in range(args.repeats):
