@@ -447,7 +447,7 @@ def markdown(info: dict, peaks: dict, settings: dict, results: list[Result], tar
              methods: list[str]) -> str:
     header, rows = table_rows(results, peaks, methods)
     lines = ["# treeattn CPU benchmark", "",
-             f"Machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), "
+             f"Machine: {info['cpu']}, {info['cores']} cores (torch threads: {info['torch_threads']}), "
              f"ISA {', '.join(info['isa']) or 'n/a'}; torch {info['torch']} ({info['torch_cpu_capability']}), "
              f"Python {info['python']}. Load average (1/5/15 min) before the run "
              f"{info['load_average_before']}, after {info.get('load_average_after')}: other processes share "

@@ -118,7 +118,7 @@ def run_variants_bench(*, repeats: int = 7, warmup: int = 2, out_dir: str | Path
     info["load_average_after"] = machine_info()["load_average_before"]
     report = {"machine": info, "settings": {"repeats": repeats, "warmup": warmup}, "rows": rows}
     lines = ["# Attention variants on the CPU", "",
-             f"Machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads), ISA "
+             f"Machine: {info['cpu']}, {info['cores']} cores (torch threads: {info['torch_threads']}), ISA "
              f"{', '.join(info['isa']) or 'n/a'}; torch {info['torch']}. Load average before {info['load_average_before']}"
              f", after {info['load_average_after']}. fp32, median of {repeats} interleaved calls after {warmup} "
              "warm-up calls, wall clock.", "",
