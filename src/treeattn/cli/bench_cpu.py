@@ -41,6 +41,7 @@ from .. import ops
 from ..plan import TreeAttentionPlan
 from ..testing import Request, make_batch, random_tree
 from ..tree import ancestor_mask, tree_depths
+from .machine import core_name, cpuinfo
 
 GRID_T = (8, 26, 64, 128)
 GRID_PREFIX = (0, 512, 4096, 16384)
@@ -58,19 +59,11 @@ OURS_FOR = {"sdpa-mask": "treeattn", "sdpa-gqa": "treeattn", "flex": "treeattn",
 
 
 def machine_info() -> dict:
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:  # the first processor's block is enough
-            for line in f:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    fields = cpuinfo()
     flags = set(fields.get("flags", "").split())
     isa = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16") if name in flags]
-    return {"cpu": fields.get("model name") or platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    name, core = fields.get("model name") or platform.processor() or platform.machine(), core_name(fields)
+    return {"cpu": f"{name} ({core})" if core else name, "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "load_average_before": _load_average(),
             "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "isa": isa, "python": platform.python_version()}
