@@ -15,19 +15,28 @@ from treeattn.speculative import DraftTree, NGramDrafter
 from treeattn.speculative.adaptive import AdaptiveDrafter
 from treeattn.speculative.heads import DraftHeads, HeadDrafter, find_heads, save_heads
 from treeattn.vllm import tree_speculative_config
-from treeattn.vllm.speculative import DRAFTER_ENV_VAR, DrafterByName, TreeProposer, _Step, _unshare, plain_decoding_reason
+from treeattn.vllm.speculative import (
+    DRAFTER_ENV_VAR,
+    TREES_ENV_VAR,
+    DrafterByName,
+    TreeProposer,
+    _Step,
+    configured_drafter,
+    plain_decoding_reason,
+    tree_options,
+)
 
 
 @pytest.fixture
 def env(monkeypatch):
     monkeypatch.delenv(DRAFTER_ENV_VAR, raising=False)
+    monkeypatch.delenv(TREES_ENV_VAR, raising=False)
     return monkeypatch
 
 
-def _shipped():
-    import os
-
-    return _unshare(os.environ[DRAFTER_ENV_VAR])
+def _shipped(nodes):
+    """What a TreeProposer of ``nodes`` nodes would run, from what tree_speculative_config left in the environment."""
+    return configured_drafter({}, nodes)
 
 
 WEIGHTS = (torch.randn(VOCAB, 64), torch.randn(VOCAB, 64))  # a tiny target's (embeddings, lm_head)
@@ -37,33 +46,76 @@ def test_config_names_the_proposer_and_ships_the_drafter(env):
     config = tree_speculative_config(nodes=10)
     assert config == {"method": "custom_class", "model": "treeattn.vllm.speculative.TreeProposer",
                       "num_speculative_tokens": 9}
-    drafter = _shipped()  # adaptive by default: trees cut to what pays, within the node budget
+    drafter = _shipped(10)  # adaptive by default: trees cut to what pays, within the node budget
     assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 10
     assert isinstance(drafter.sources[0], NGramDrafter) and drafter.sources[0].budget == 10
     tree_speculative_config(nodes=10, adaptive=False)
-    assert isinstance(_shipped(), NGramDrafter)
+    assert isinstance(_shipped(10), NGramDrafter)
     tree_speculative_config(nodes=10, drafter="suffix")
-    assert [type(s).__name__ for s in _shipped().sources] == ["SuffixDrafter"]
+    assert [type(s).__name__ for s in _shipped(10).sources] == ["SuffixDrafter"]
     tree_speculative_config(nodes=10, drafter=NGramDrafter(10))  # a drafter object travels pickled
-    assert isinstance(_shipped(), AdaptiveDrafter)
+    assert isinstance(_shipped(10), AdaptiveDrafter)
     tree_speculative_config(nodes=10, drafter="auto")  # a head needs the target's weights: built in the worker
-    assert _shipped() == DrafterByName("auto", 10, str(find_heads()))
+    assert _shipped(10) == DrafterByName("auto", 10, str(find_heads()))
+
+
+def test_a_drafter_by_name_is_plain_json_for_a_server(env, monkeypatch):
+    import json
+    import os
+
+    tree_speculative_config(nodes=10, drafter="suffix", adaptive=False)
+    assert json.loads(os.environ[TREES_ENV_VAR]) == {"drafter": "suffix", "heads": None, "adaptive": False}
+    assert DRAFTER_ENV_VAR not in os.environ  # no pickle for a drafter by name
+    assert type(_shipped(10)).__name__ == "SuffixDrafter"
+    monkeypatch.delenv(TREES_ENV_VAR)
+    # a server's --additional-config '{"treeattn": {...}}', and the default when nothing is given
+    assert [type(s).__name__ for s in configured_drafter({"treeattn": {"drafter": "suffix"}}, 6).sources] == [
+        "SuffixDrafter"]
+    default = configured_drafter({}, 6)
+    assert isinstance(default, AdaptiveDrafter) and type(default.sources[0]).__name__ == "NGramDrafter"
+    tree_speculative_config(nodes=10, drafter=NGramDrafter(10))  # an object replaces the JSON, and back
+    assert TREES_ENV_VAR not in os.environ
+    tree_speculative_config(nodes=10)
+    assert DRAFTER_ENV_VAR not in os.environ
+    with pytest.raises(ValueError, match="configured twice .additional_config.treeattn and TREEATTN_VLLM_TREES"):
+        configured_drafter({"treeattn": {}}, 6)
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"drafter": "medusa"}', r"^W\.drafter must be one of ngram, suffix, heads, auto, got 'medusa'"),
+    ('{"nodes": 16}', r"^W\.nodes: unknown field; .* num_speculative_tokens \+ 1"),
+    ('{"adaptive": "yes"}', r"^W\.adaptive must be true or false, got 'yes'"),
+    ('{"heads": 3, "drafter": "heads"}', r"^W\.heads must be a file path or null"),
+    ('{"heads": "h.pt"}', r"^W\.heads goes with drafter 'heads' or 'auto', not 'ngram'"),
+    ('{"drafter": "auto", "adaptive": false}', r"^W\.adaptive=False verifies one drafter's whole trees"),
+    ('["auto"]', r"^W: must be a JSON object"),
+    ('{drafter: auto}', r"^W: not JSON"),
+])
+def test_bad_tree_options_name_the_field(value, match):
+    with pytest.raises(ValueError, match=match):
+        tree_options(value, "W")
+
+
+def test_a_missing_head_file_fails_when_the_server_starts(env, monkeypatch):
+    monkeypatch.setenv(TREES_ENV_VAR, '{"drafter": "heads", "heads": "/no/such/h.pt"}')
+    with pytest.raises(ValueError, match="heads: no such file /no/such/h.pt"):
+        configured_drafter({}, 8)  # what TreeProposer(vllm_config) runs in the engine at start
 
 
 def test_a_draft_head_by_name_binds_to_the_targets_weights(env, tmp_path):
     save_heads(DraftHeads(64, range(16)), tmp_path / "h.pt")
     tree_speculative_config(nodes=8, drafter="heads", heads=tmp_path / "h.pt", adaptive=False)
-    drafter = _shipped().bind(WEIGHTS)
+    drafter = _shipped(8).bind(WEIGHTS)
     assert isinstance(drafter, HeadDrafter) and drafter.budget == 8
     assert torch.equal(drafter.embed, WEIGHTS[0])  # it reads the target's embeddings and LM head rows
     assert torch.equal(drafter.project[0].weight, WEIGHTS[1][:16])
     tree_speculative_config(nodes=8, drafter="auto", heads=tmp_path / "h.pt")
-    assert [type(s).__name__ for s in _shipped().bind(WEIGHTS).sources] == ["SuffixDrafter", "HeadDrafter"]
+    assert [type(s).__name__ for s in _shipped(8).bind(WEIGHTS).sources] == ["SuffixDrafter", "HeadDrafter"]
     narrow = (torch.randn(VOCAB, 32), torch.randn(VOCAB, 32))  # a target the head does not fit
-    assert [type(s).__name__ for s in _shipped().bind(narrow).sources] == ["SuffixDrafter"]  # auto goes on without
+    assert [type(s).__name__ for s in _shipped(8).bind(narrow).sources] == ["SuffixDrafter"]  # auto goes on without
     tree_speculative_config(nodes=8, drafter="heads", heads=tmp_path / "h.pt")
     with pytest.raises(ValueError, match="drafter 'heads': .*hidden states of size 64, the model's are 32"):
-        _shipped().bind(narrow)
+        _shipped(8).bind(narrow)
 
 
 def test_a_large_drafter_travels_in_a_file(env):
@@ -73,7 +125,7 @@ def test_a_large_drafter_travels_in_a_file(env):
     big.table = np.arange(100_000)  # pickles to more than an environment string may hold
     tree_speculative_config(nodes=4, drafter=big, adaptive=False)
     assert os.environ[DRAFTER_ENV_VAR].startswith("file:")
-    assert np.array_equal(_shipped().table, big.table)
+    assert np.array_equal(_shipped(4).table, big.table)
 
 
 class _Recorder:

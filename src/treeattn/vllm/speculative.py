@@ -20,6 +20,18 @@ vLLM verifies drafts as chains. Here a draft is a tree, and four things change, 
    next. vLLM's own bookkeeping then counts drafts and accepted tokens into its speculative
    metrics (``LLM.get_metrics()``).
 
+**Configuration is plain data.** vLLM's ``--speculative-config`` names the proposer and the node
+budget (``{"method": "custom_class", "model": "treeattn.vllm.speculative.TreeProposer",
+"num_speculative_tokens": 15}``: 16 nodes). The drafter's options cannot go in that JSON: vLLM
+0.32's ``SpeculativeConfig`` refuses unknown keys (pydantic ``extra="forbid"``), and its free-form
+string fields mean something else (``model`` is the proposer's import path, ``quantization`` and
+``revision`` describe a draft model's weights). So the options (``drafter``, ``heads``,
+``adaptive``) travel as JSON in vLLM's own ``--additional-config '{"treeattn": {...}}'`` (command
+line or ``--config`` file; vLLM hands it to the proposer inside ``VllmConfig``) or in
+``TREEATTN_VLLM_TREES`` (what ``tree_speculative_config`` sets for ``vllm.LLM``). Without either:
+the adaptive n-gram drafter. Only a drafter *object* (Python) travels pickled, in
+``TREEATTN_VLLM_DRAFTER``. A bad value stops the engine at start, the error naming the field.
+
 Requests whose sampling depends on the tokens before each position (penalties, bad words, logit
 bias, allowed tokens, min tokens, min-p, structured output) get no drafts and are sampled by vLLM's
 own sampler, so their output is unchanged.
@@ -35,6 +47,7 @@ from __future__ import annotations
 import atexit
 import base64
 import functools
+import json
 import logging
 import os
 import pickle
@@ -53,13 +66,18 @@ from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
 from .batch import move_tokens
 
-__all__ = ["DRAFTER_ENV_VAR", "VLLM_VERSION", "DrafterByName", "TreeProposer", "plain_decoding_reason", "step_trees",
+__all__ = ["ADDITIONAL_CONFIG_KEY", "DRAFTER_ENV_VAR", "TREES_ENV_VAR", "VLLM_VERSION", "DrafterByName", "TreeOptions",
+           "TreeProposer", "configured_drafter", "plain_decoding_reason", "step_trees", "tree_options",
            "tree_speculative_config"]
 
 VLLM_VERSION = "0.32.0"
 # The pickled drafter for vLLM's worker processes: base64 inline, or "file:PATH" for a large one (a
 # local file: workers on other machines, e.g. a Ray cluster, cannot read it).
 DRAFTER_ENV_VAR = "TREEATTN_VLLM_DRAFTER"
+# The drafter's options as JSON (``TreeOptions``' fields), for a server's environment or vllm.LLM.
+TREES_ENV_VAR = "TREEATTN_VLLM_TREES"
+# The same options under this key of vLLM's ``additional_config`` (``--additional-config``, config files).
+ADDITIONAL_CONFIG_KEY = "treeattn"
 _SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 logger = logging.getLogger("vllm.treeattn")  # under vLLM's logger: its handlers print it
 
@@ -84,28 +102,99 @@ def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram"
     draft would not pay decodes plainly. A ``LearningDrafter`` (an ``AdaptiveDrafter`` you built) is
     told every step's emitted tokens and time (None for a step that also prefilled other requests:
     the engine needs one step of decodes alone before a tree is verified).
+
+    A drafter by name travels as JSON in ``TREEATTN_VLLM_TREES`` (set here); a server takes the same
+    JSON there or in ``--additional-config '{"treeattn": {...}}'`` (see the module docstring).
     """
     if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 2:
         raise ValueError(f"nodes must be an integer >= 2 (the root and at least one draft), got {nodes!r}")
-    if heads is not None and drafter not in ("heads", "auto"):
-        raise ValueError(f"heads goes with drafter 'heads' or 'auto', not {drafter!r}")
-    if drafter == "auto" and not adaptive:
-        raise ValueError("adaptive=False verifies one drafter's whole trees: pick drafter ngram, suffix or heads, "
-                         "not auto")
-    if drafter in ("heads", "auto"):  # built where the target's weights are: vLLM's worker
-        path = heads_file(drafter, None if heads is None else Path(heads))  # no head file fails here
-        drafter = DrafterByName(drafter, int(nodes), None if path is None else str(path), full_trees=not adaptive)
-    elif isinstance(drafter, str):
-        drafter = build_drafter(drafter, None, int(nodes), full_trees=not adaptive)[0]
-    elif callable(getattr(drafter, "bind", None)):
-        pass  # bound to the target's weights in the worker, used as bind returns it
-    elif not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a drafter name ({', '.join(DRAFTERS)}), a treeattn Drafter (with "
-                        f"propose(contexts, hidden=None)) or an object with bind(weights), got {type(drafter).__name__}")
-    elif adaptive:
-        drafter = make_adaptive(drafter, max_nodes=int(nodes))
-    os.environ[DRAFTER_ENV_VAR] = _share(drafter)
+    if isinstance(drafter, str):
+        options = tree_options({"drafter": drafter, "heads": None if heads is None else str(heads),
+                                "adaptive": adaptive})
+        options.drafter_for(int(nodes))  # a missing head file, or one that fails to load, fails here
+        os.environ.pop(DRAFTER_ENV_VAR, None)
+        os.environ[TREES_ENV_VAR] = json.dumps(options.__dict__)
+    else:
+        if heads is not None:
+            raise ValueError(f"heads goes with drafter 'heads' or 'auto', not {drafter!r}")
+        if callable(getattr(drafter, "bind", None)):
+            pass  # bound to the target's weights in the worker, used as bind returns it
+        elif not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a drafter name ({', '.join(DRAFTERS)}), a treeattn Drafter (with "
+                            f"propose(contexts, hidden=None)) or an object with bind(weights), got "
+                            f"{type(drafter).__name__}")
+        elif adaptive:
+            drafter = make_adaptive(drafter, max_nodes=int(nodes))
+        shared = _share(drafter)
+        os.environ.pop(TREES_ENV_VAR, None)
+        os.environ[DRAFTER_ENV_VAR] = shared
     return {"method": "custom_class", "model": f"{__name__}.TreeProposer", "num_speculative_tokens": int(nodes) - 1}
+
+
+@dataclass(frozen=True)
+class TreeOptions:
+    """A drafter by name and its options: what ``--additional-config '{"treeattn": ...}'`` and
+    ``TREEATTN_VLLM_TREES`` hold (the node budget is vLLM's ``num_speculative_tokens`` + 1)."""
+
+    drafter: str = "ngram"
+    heads: str | None = None
+    adaptive: bool = True
+
+    def drafter_for(self, nodes: int):
+        """The drafter for trees of ``nodes`` nodes; one that reads the target's weights as a ``DrafterByName``."""
+        if self.drafter in ("heads", "auto"):  # built where the target's weights are: vLLM's worker
+            path = heads_file(self.drafter, None if self.heads is None else Path(self.heads))
+            return DrafterByName(self.drafter, nodes, None if path is None else str(path),
+                                 full_trees=not self.adaptive)
+        return build_drafter(self.drafter, None, nodes, full_trees=not self.adaptive)[0]
+
+
+def tree_options(value, where: str = "") -> TreeOptions:
+    """``value`` (a dict, or its JSON) checked as ``TreeOptions``; ``ValueError`` names the field,
+    prefixed by ``where`` (where the value came from)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc}): {value!r}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be a JSON object with drafter, heads, adaptive, got {value!r}")
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(value) - set(TreeOptions.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field; the fields are drafter, heads, adaptive (the node "
+                         "budget is the speculative config's num_speculative_tokens + 1)")
+    options = TreeOptions(**value)
+    if options.drafter not in DRAFTERS:
+        raise ValueError(f"{prefix}drafter must be one of {', '.join(DRAFTERS)}, got {options.drafter!r}")
+    if options.heads is not None and not isinstance(options.heads, str):
+        raise ValueError(f"{prefix}heads must be a file path or null, got {options.heads!r}")
+    if not isinstance(options.adaptive, bool):
+        raise ValueError(f"{prefix}adaptive must be true or false, got {options.adaptive!r}")
+    if options.heads is not None and options.drafter not in ("heads", "auto"):
+        raise ValueError(f"{prefix}heads goes with drafter 'heads' or 'auto', not {options.drafter!r}")
+    if options.drafter == "auto" and not options.adaptive:
+        raise ValueError(f"{prefix}adaptive=False verifies one drafter's whole trees: pick drafter ngram, suffix or "
+                         "heads, not auto")
+    return options
+
+
+def configured_drafter(additional_config, nodes: int):
+    """The drafter a ``TreeProposer`` runs: a pickled object (``TREEATTN_VLLM_DRAFTER``), or by name from
+    ``additional_config["treeattn"]`` or ``TREEATTN_VLLM_TREES``, else the adaptive n-gram drafter.
+    Given twice is an error: which one was meant?"""
+    given = {}
+    if isinstance(additional_config, dict) and ADDITIONAL_CONFIG_KEY in additional_config:
+        given[f"additional_config.{ADDITIONAL_CONFIG_KEY}"] = additional_config[ADDITIONAL_CONFIG_KEY]
+    for var in (TREES_ENV_VAR, DRAFTER_ENV_VAR):
+        if os.environ.get(var):
+            given[var] = os.environ[var]
+    if len(given) > 1:
+        raise ValueError(f"tree speculation is configured twice ({' and '.join(given)}): give one")
+    if DRAFTER_ENV_VAR in given:
+        return _unshare(given[DRAFTER_ENV_VAR])
+    where, value = next(iter(given.items()), ("", {}))
+    return tree_options(value, where).drafter_for(nodes)
 
 
 @dataclass(frozen=True)
@@ -227,15 +316,12 @@ class TreeProposer:
             raise RuntimeError(f"tree speculation needs treeattn's attention (tree masks): set {ENV_VAR}=1")
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise NotImplementedError("tree speculation does not support pipeline parallelism")
-        encoded = os.environ.get(DRAFTER_ENV_VAR)
-        if not encoded:
-            raise RuntimeError(f"{DRAFTER_ENV_VAR} is not set: build the speculative_config with "
-                               "treeattn.vllm.speculative.tree_speculative_config(...)")
-        drafter = _unshare(encoded)
+        nodes = vllm_config.speculative_config.num_speculative_tokens + 1
+        drafter = configured_drafter(vllm_config.additional_config, nodes)
         self._config = vllm_config
         # A drafter that reads the target's weights is bound to them in load_model.
         self._binding = drafter if callable(getattr(drafter, "bind", None)) else None
-        self._setup(drafter, vllm_config.speculative_config.num_speculative_tokens + 1)
+        self._setup(drafter, nodes)
         _install_runner_hooks()
 
     def _setup(self, drafter: Drafter, nodes: int) -> None:
