@@ -74,11 +74,12 @@ def test_a_failing_brgemm_path_is_switched_off_with_one_warning(mode):
 
 def expected_brgemm_dtypes() -> list[torch.dtype]:
     """The dtypes oneDNN has brgemm kernels for on this CPU (torch 2.13's CPUBlas.cpp: fp32 from AVX2; bf16
-    in VNNI layout from AVX-512, natively with AVX512-BF16 or AMX; fp16 in VNNI layout with AMX-FP16 only)."""
+    in VNNI layout from AVX-512, natively with AVX512-BF16 or AMX; fp16 with AVX512-FP16 (B read plain) or
+    AMX-FP16 (B in VNNI pairs): the kernel probes which)."""
     dtypes = [torch.float32]
     if FLAGS & {"avx512_bf16", "amx_bf16"}:
         dtypes.append(torch.bfloat16)
-    if "amx_fp16" in FLAGS:
+    if FLAGS & {"avx512_fp16", "amx_fp16"}:
         dtypes.append(torch.float16)
     return dtypes
 
@@ -92,8 +93,26 @@ def test_the_brgemm_kernels_this_cpu_has_pass_their_check(dtype):
         pytest.skip(f"oneDNN has no {dtype} brgemm kernels on this CPU (what it needs: expected_brgemm_dtypes)")
     for isa in BRGEMM:
         assert NativeBackend().check(isa, dtype) is None
-    if dtype != torch.float32:
-        assert NativeBackend().path(dtype) == BRGEMM[0]
+    backend = NativeBackend()
+    assert backend.path(dtype) == (BRGEMM[0] if backend.pays(dtype) else FMA)
+
+
+@pytest.mark.skipif(not BRGEMM or CAPPED, reason="no brgemm path, or oneDNN's ISA is capped in this process")
+def test_a_brgemm_path_is_the_default_only_where_it_pays(monkeypatch):
+    """The default takes a brgemm path only where oneDNN's micro-kernel for the dtype is >= 1.3x the FMA
+    peak; a forced path runs either way. AMX's bf16 tiles must pay (4.5x measured on a Sapphire Rapids)."""
+    backend = NativeBackend()
+    brgemm, fma = backend.speed(torch.float32)
+    assert fma > 1.0 and brgemm > 1.0  # real measurements, GFLOP/s on one thread
+    if "amx_bf16" in FLAGS:
+        assert backend.pays(torch.bfloat16) and backend.path(torch.bfloat16) == BRGEMM[0]
+    monkeypatch.setattr(backend, "speed", lambda dtype: (100.0, 90.0))
+    assert backend.path(torch.bfloat16) == FMA
+    monkeypatch.setattr(backend, "speed", lambda dtype: (130.0, 90.0))
+    assert backend.path(torch.bfloat16) == BRGEMM[0]
+    forced = NativeBackend(isa=BRGEMM[0])
+    monkeypatch.setattr(forced, "speed", lambda dtype: (1.0, 90.0))
+    assert forced.path(torch.bfloat16) == BRGEMM[0]
 
 
 def run_python(code: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from treeattn.backends.native import build
 
@@ -35,3 +38,11 @@ def test_two_checkouts_of_the_same_sources_share_one_build_without_rebuilding(tm
         assert len(modules) == 1
         stamps.append((folder, os.stat(modules[0]).st_mtime_ns))
     assert len(set(stamps)) == 1, f"the module was rebuilt: {stamps}"
+
+
+def test_the_kernel_builds_where_a_compiler_is():
+    """Every native test skips when the build fails (a user without a compiler gets the cpu backend), so a
+    broken build would pass unnoticed: on x86-64 Linux with a C++ compiler (CI's machines) it must build."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or not shutil.which(os.environ.get("CXX", "c++")):
+        pytest.skip("needs x86-64 Linux with a C++ compiler")
+    assert build.EXTENSION.failure() is None

@@ -12,12 +12,14 @@ Kernel paths (``isas()``: the ones this CPU has), picked per dtype at run time:
   on oneDNN's brgemm micro-kernels as PyTorch exports them (AMX, AVX512-BF16, AVX512-FP16, AVX-512 or
   AVX2, JIT-compiled for the running CPU), P rounded to the dtype, the online softmax and masks on AVX-512
   or AVX2 vectors (``csrc/kernel_brgemm.hpp``). oneDNN has 16-bit kernels only on some CPUs (bf16: AMX,
-  AVX512-BF16; fp16: AMX-FP16, AVX512-FP16), so each (path, dtype) checks itself once per process on
+  AVX512-BF16; fp16: AMX-FP16, AVX512-FP16, which reads B plain where the others read VNNI pairs: probed
+  once per process, ``brgemm_b_pairs``), so each (path, dtype) checks itself once per process on
   first use against the FMA kernel on a small problem, and is switched off, with one warning saying
   why, when it throws or disagrees;
 - ``avx512`` / ``avx2`` / ``generic``: the FMA kernel (``csrc/kernel.hpp``) on 16 or 8 fp32 lanes, or
   portable C++; every dtype is widened to fp32.
-The default takes, per dtype, the first of ``_ORDER``'s paths this CPU has that passes its check.
+The default takes, per dtype, the first of ``_ORDER``'s paths this CPU has, a brgemm path only where it
+passes its check and pays (oneDNN's micro-kernel for the dtype measures >= 1.3x the FMA peak here).
 ``TREEATTN_NATIVE_ISA`` or ``NativeBackend(isa=...)`` forces one path for every dtype.
 
 Every attention variant runs in the kernel: a sliding window bounds each work item's keys (keys below
@@ -46,14 +48,16 @@ _NONE = torch.zeros(0)  # an absent optional tensor (sinks, positions)
 _MAX_WINDOW = 1 << 62  # larger windows (past any context) are passed as this, within int64
 
 
-# Path preference per dtype (names that this CPU lacks are skipped). 16-bit: brgemm's bf16/fp16 dot
-# products (2x the fp32 FMA rate or more) first. fp32: the FMA kernel, since oneDNN's fp32 micro-kernels
-# have nothing faster than FMAs: measured on a Zen 5 (2 threads, h 32/8, d 128, P 4096, T 8/64/128),
-# avx512 260/409/423 GFLOP/s against brgemm-avx512's 243/372/378; with oneDNN capped at AVX2
-# (ONEDNN_MAX_CPU_ISA=AVX2, as on an AVX2-only CPU) avx2 164/220/224 against brgemm-avx2's 163/218/215.
-_ORDER = {torch.bfloat16: ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic"),
-          torch.float16: ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic"),
-          torch.float32: ("avx512", "avx2", "generic")}
+# Path preference, every dtype (names that this CPU lacks are skipped). A brgemm path is taken for a dtype
+# only where it is correct here (its self-check) and pays: oneDNN's micro-kernel for the dtype measures at
+# least _MIN_GAIN times the FMA kernel's peak on this CPU (one thread, a few ms, once per process; see
+# `speed`). Measured on a Sapphire Rapids (1 thread, GFLOP/s): FMA avx512 195; brgemm bf16 871 (AMX),
+# fp32 148, fp16 54 (AVX512-FP16 without AMX-FP16: oneDNN widens to fp32): only bf16 pays. On a Zen 5
+# (AVX512-BF16) bf16 ran 1.3-1.5x our fp32 and fp32 brgemm 0.9x the FMA kernel. A forced path
+# (TREEATTN_NATIVE_ISA, isa=...) runs whether or not it pays.
+_ORDER = ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic")
+_MIN_GAIN = 1.3
+_PEAK_KIND = {torch.float32: "brgemm-fp32", torch.bfloat16: "brgemm-bf16", torch.float16: "brgemm-fp16"}
 # A brgemm path's self-check tolerance against the FMA kernel (both accumulate in fp32), absolute and
 # relative: both round the output to the dtype (an ulp each: 2^-8 bf16, 2^-11 fp16), and the brgemm path
 # also rounds P (its products add up to at most another ulp); fp32 differs in summation order only.
@@ -81,6 +85,8 @@ class NativeBackend(Backend):
     name = "native"
     # (extension, path, dtype) -> why the brgemm path failed its self-check, or None: once per process.
     _checks: dict[tuple[Extension, str, torch.dtype], str | None] = {}
+    # (extension, dtype) -> (brgemm, FMA) peaks in GFLOP/s (see speed): once per process.
+    _speeds: dict[tuple[Extension, torch.dtype], tuple[float, float]] = {}
     _check_lock = threading.Lock()
 
     def __init__(self, isa: str | None = None, extension: Extension = EXTENSION):
@@ -95,12 +101,33 @@ class NativeBackend(Backend):
         return list(self.extension.module().isas())
 
     def path(self, dtype: torch.dtype) -> str:
-        """The kernel path that runs ``dtype``: the forced one, or the first of its ``_ORDER`` this CPU has
-        whose self-check passes."""
+        """The kernel path that runs ``dtype``: the forced one, or the first of ``_ORDER`` this CPU has,
+        a brgemm path only where its self-check passes and it pays (``speed``)."""
         if self.isa:
             return self.isa
         have = self.isas()
-        return next(isa for isa in _ORDER[dtype] if isa in have and not (_brgemm(isa) and self.check(isa, dtype)))
+        return next(isa for isa in _ORDER if isa in have
+                    and not (_brgemm(isa) and (self.check(isa, dtype) or not self.pays(dtype))))
+
+    def pays(self, dtype: torch.dtype) -> bool:
+        """Whether oneDNN's micro-kernel for ``dtype`` is at least ``_MIN_GAIN`` times this CPU's FMA peak."""
+        brgemm, fma = self.speed(dtype)
+        return brgemm >= _MIN_GAIN * fma
+
+    def speed(self, dtype: torch.dtype) -> tuple[float, float]:
+        """(oneDNN's brgemm peak for ``dtype``, the FMA kernel's peak) in GFLOP/s on one thread, measured
+        once per process (the best of 3 short runs each); 0.0 for a brgemm kernel that raises."""
+        key = (self.extension, dtype)
+        with self._check_lock:
+            if key not in self._speeds:
+                module = self.extension.module()
+                fma = "fma-avx512" if "avx512" in self.isas() else "fma-avx2"
+                try:
+                    brgemm = max(module.peak(_PEAK_KIND[dtype], 20, 1) for _ in range(3))
+                except RuntimeError:  # no micro-kernel for this dtype here
+                    brgemm = 0.0
+                self._speeds[key] = (brgemm, max(module.peak(fma, 100_000, 1) for _ in range(3)))
+            return self._speeds[key]
 
     def check(self, isa: str, dtype: torch.dtype) -> str | None:
         """Why brgemm path ``isa`` cannot be trusted with ``dtype`` here (None: it can). Checked once per

@@ -30,6 +30,16 @@ struct V {
   static inline T eq(T a, T b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static inline T select(T mask, T a, T b) { return _mm256_blendv_ps(b, a, mask); }
+  static inline float reduce_max(T a) {  // of the 8 lanes
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+  }
+  static inline float reduce_add(T a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+  }
   static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
     const __m256i v = _mm256_set1_epi32(x);
     const __m256i below = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)), v);
@@ -60,6 +70,8 @@ struct V {
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
   static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
   static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
+  static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
+  static void store_f16(uint16_t* dst, T x);
 };
 
 #include "kernel.hpp"
@@ -82,31 +94,37 @@ void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
-void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {  // as float_to_bf16
+inline void V::store_bf16(uint16_t* dst, T x) {  // as float_to_bf16: round to nearest even
+  const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
+  const __m256i even = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
+                         _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));  // NaN stays NaN
+  r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(r));
+}
+
+inline void V::store_f16(uint16_t* dst, T x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    const __m256 x = _mm256_loadu_ps(src + i);
-    const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
-    const __m256i even = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
-                           _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));  // NaN stays NaN
-    r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(r));
-  }
+  for (; i + W <= n; i += W) store_bf16(dst + i, load(src + i));
   for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
 void V::narrow_f16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i + W <= n; i += W) store_f16(dst + i, load(src + i));
   for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 }  // namespace avx2
 
 void run_item_avx2(const Problem& p, const Item& it, float* scratch) { avx2::run_item(p, it, scratch); }
+
+float fma_loop_avx2(int64_t iters) { return avx2::fma_loop(iters); }
 void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch) {
   avx2::brgemm_item::run(p, it, scratch);
 }

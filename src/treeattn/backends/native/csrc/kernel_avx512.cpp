@@ -32,6 +32,8 @@ struct V {
   static inline T eq(T a, T b) { return from_mask(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ)); }
   static inline T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static inline T select(T mask, T a, T b) { return _mm512_mask_blend_ps(to_mask(mask), b, a); }
+  static inline float reduce_max(T a) { return _mm512_reduce_max_ps(a); }
+  static inline float reduce_add(T a) { return _mm512_reduce_add_ps(a); }
   static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
     const __m512i v = _mm512_set1_epi32(x);
     return from_mask(_mm512_cmple_epi32_mask(_mm512_loadu_si512(lo), v) & _mm512_cmplt_epi32_mask(v, _mm512_loadu_si512(hi)));
@@ -58,6 +60,8 @@ struct V {
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
   static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
   static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
+  static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
+  static void store_f16(uint16_t* dst, T x);
 };
 
 #include "kernel.hpp"
@@ -80,31 +84,36 @@ void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
-void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {  // as float_to_bf16
+inline void V::store_bf16(uint16_t* dst, T x) {  // as float_to_bf16: round to nearest even
+  const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+  const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                            _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
+                                            _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
+inline void V::store_f16(uint16_t* dst, T x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    const __m512 x = _mm512_loadu_ps(src + i);
-    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-    const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
-    const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                              _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
-                                              _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + W <= n; i += W) store_bf16(dst + i, load(src + i));
   for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
 void V::narrow_f16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i + W <= n; i += W) store_f16(dst + i, load(src + i));
   for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 }  // namespace avx512
 
 void run_item_avx512(const Problem& p, const Item& it, float* scratch) { avx512::run_item(p, it, scratch); }
+
+float fma_loop_avx512(int64_t iters) { return avx512::fma_loop(iters); }
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch) {
   avx512::brgemm_item::run(p, it, scratch);
 }

@@ -6,11 +6,16 @@
 // VNNI layout [d/2][keys][2] is the transpose of K's rows read as 32-bit words, so one transpose serves
 // every dtype); the online softmax runs over a row's keys, the ancestor and window tests with them (each
 // key's bounds are vectors, each row's position a scalar); then O[rows][dv] += P V, with P rounded to the
-// dtype (fp32 accumulation) and V packed in VNNI pairs of keys. Q is multiplied unscaled (a scaled 16-bit
-// Q would be rounded twice): the scores are scaled in fp32. M (rows) is padded to a few sizes
-// (brgemm_rows), N and K to the tile, so oneDNN's per-shape kernel cache stays small; pads are zero.
+// dtype (fp32 accumulation) and V packed in VNNI pairs of keys (or plain rows, where oneDNN's kernel
+// for the dtype reads B plain: brgemm_b_pairs). Q is multiplied unscaled (a scaled 16-bit
+// Q would be rounded twice): the scores are scaled in fp32. Tiles are large (BRGEMM_TILE keys: the
+// per-row work of a tile, reductions and O's rescaling, is spread over more keys) and a short one is
+// padded to a multiple of KEY_TILE; M (rows) is padded to a few sizes (brgemm_rows), leading dimensions
+// are fixed: oneDNN's per-shape kernel cache stays small. Pads are zero.
 
 namespace brgemm_item {
+
+constexpr int64_t BT = BRGEMM_TILE;
 
 constexpr int32_t NEVER = -2147483647 - 1, ALWAYS = 2147483647;
 
@@ -35,51 +40,69 @@ static bool nonfinite_row(const char* row, int32_t dtype, int64_t n) {
   return false;
 }
 
-// K^T of a tile: `words` 32-bit words of each of `count` key rows into dst[word][KEY_TILE] (keys past
-// count zero). `half`: the rows' last word holds one 16-bit value only (odd d): its upper half is zero.
-static void pack_kt(const char* const* rows, int64_t count, int64_t words, bool half, uint32_t* dst) {
+// K^T of a tile: `words` 32-bit words of each of `count` key rows into dst[word][BT] (keys past
+// count, up to `padded`, zero). `half`: the rows' last word holds one 16-bit value only (odd d): its upper half is zero.
+static void pack_kt(const char* const* rows, int64_t count, int64_t padded, int64_t words, bool half, uint32_t* dst) {
   const int64_t full = half ? words - 1 : words;
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
     int64_t w = 0;
-    for (; w + 8 <= full; w += 8) transpose8x8(rows + i, 4 * w, dst + w * KEY_TILE + i, KEY_TILE);
+    for (; w + 8 <= full; w += 8) transpose8x8(rows + i, 4 * w, dst + w * BT + i, BT);
     for (; w < full; ++w)
-      for (int64_t r = 0; r < 8; ++r) __builtin_memcpy(dst + w * KEY_TILE + i + r, rows[i + r] + 4 * w, 4);
+      for (int64_t r = 0; r < 8; ++r) __builtin_memcpy(dst + w * BT + i + r, rows[i + r] + 4 * w, 4);
   }
   for (; i < count; ++i)
-    for (int64_t w = 0; w < full; ++w) __builtin_memcpy(dst + w * KEY_TILE + i, rows[i] + 4 * w, 4);
+    for (int64_t w = 0; w < full; ++w) __builtin_memcpy(dst + w * BT + i, rows[i] + 4 * w, 4);
   for (int64_t w = 0; w < full; ++w)
-    for (int64_t r = count; r < KEY_TILE; ++r) dst[w * KEY_TILE + r] = 0;
+    for (int64_t r = count; r < padded; ++r) dst[w * BT + r] = 0;
   if (half)
-    for (int64_t r = 0; r < KEY_TILE; ++r) {
+    for (int64_t r = 0; r < padded; ++r) {
       uint16_t x = 0;
       if (r < count) __builtin_memcpy(&x, rows[r] + 4 * full, 2);
-      dst[full * KEY_TILE + r] = x;
+      dst[full * BT + r] = x;
     }
 }
 
-// V of a tile: fp32 rows as they are into dst[key][dv]; 16-bit rows in VNNI pairs of keys,
-// dst[key / 2][dv][2]. Keys past count are zero.
-static void pack_v(const char* const* rows, int64_t count, int64_t dv, int32_t dtype, void* dst) {
-  if (dtype == F32) {
-    float* out = static_cast<float*>(dst);
-    for (int64_t i = 0; i < KEY_TILE; ++i) {
-      if (i < count) __builtin_memcpy(out + i * dv, rows[i], size_t(4 * dv));
-      else for (int64_t c = 0; c < dv; ++c) out[i * dv + c] = 0.0f;
+// A 16-bit K^T tile from VNNI pairs to plain rows, in place: word row w (BT pairs) becomes value rows 2w
+// and 2w + 1 (BT values each), which occupy the same bytes.
+static void unpair_kt(int64_t words, int64_t padded, uint32_t* kt) {
+  uint32_t row[BT];
+  for (int64_t w = 0; w < words; ++w) {
+    __builtin_memcpy(row, kt + w * BT, size_t(4 * padded));
+    uint16_t* lo = reinterpret_cast<uint16_t*>(kt + w * BT);
+    uint16_t* hi = lo + BT;
+    for (int64_t i = 0; i < padded; ++i) {
+      lo[i] = uint16_t(row[i]);
+      hi[i] = uint16_t(row[i] >> 16);
+    }
+  }
+}
+
+// V of a tile: rows as they are into dst[key][dv] (fp32, or 16-bit where oneDNN reads B plain); else
+// 16-bit rows in VNNI pairs of keys, dst[key / 2][dv][2]. Keys past count, up to `padded`, are zero.
+static void pack_v(const char* const* rows, int64_t count, int64_t padded, int64_t dv, int32_t dtype, bool pairs,
+                   void* dst) {
+  if (dtype == F32 || !pairs) {
+    const int64_t bytes = (dtype == F32 ? 4 : 2) * dv;
+    char* out = static_cast<char*>(dst);
+    for (int64_t i = 0; i < padded; ++i) {
+      if (i < count) __builtin_memcpy(out + i * bytes, rows[i], size_t(bytes));
+      else __builtin_memset(out + i * bytes, 0, size_t(bytes));
     }
     return;
   }
   uint16_t* out = static_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < KEY_TILE; i += 2) {
+  for (int64_t i = 0; i < padded; i += 2) {
     if (i < count) interleave16(rows[i], i + 1 < count ? rows[i + 1] : nullptr, out + i * dv, dv);
     else for (int64_t c = 0; c < 2 * dv; ++c) out[i * dv + c] = 0;
   }
 }
 
 // Zero key i's values in a packed V tile (its contribution is then added row by row, see run).
-static void clear_v(void* vt, int32_t dtype, int64_t dv, int64_t i) {
-  if (dtype == F32) {
-    for (int64_t c = 0; c < dv; ++c) static_cast<float*>(vt)[i * dv + c] = 0.0f;
+static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) {
+  if (dtype == F32 || !pairs) {
+    const int64_t bytes = (dtype == F32 ? 4 : 2) * dv;
+    __builtin_memset(static_cast<char*>(vt) + i * bytes, 0, size_t(bytes));
     return;
   }
   uint16_t* pair = static_cast<uint16_t*>(vt) + (i / 2) * 2 * dv + (i % 2);
@@ -100,23 +123,23 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     return at;
   };
   char* qa = reinterpret_cast<char*>(take(mp * dp));  // Q [mp][dp] in its dtype (halves used for 16-bit)
-  uint32_t* kt = reinterpret_cast<uint32_t*>(take(dp * KEY_TILE));
-  void* vt = take(KEY_TILE * dv);
-  float* s = take(mp * KEY_TILE);
-  uint16_t* pa = reinterpret_cast<uint16_t*>(take(mp * KEY_TILE));  // 16-bit P (fp32 P stays in s)
+  uint32_t* kt = reinterpret_cast<uint32_t*>(take(dp * BT));
+  void* vt = take(BT * dv);
+  float* s = take(mp * BT);
+  uint16_t* pa = reinterpret_cast<uint16_t*>(take(mp * BT));  // 16-bit P (fp32 P stays in s)
   float* o = take(mp * dv);
   float* m = take(mp);
   float* l = take(mp);
   int32_t* enter = reinterpret_cast<int32_t*>(take(mp));
   int32_t* row_lo = reinterpret_cast<int32_t*>(take(mp));
-  int32_t* klo = reinterpret_cast<int32_t*>(take(KEY_TILE));  // key i visible to row r iff
-  int32_t* khi = reinterpret_cast<int32_t*>(take(KEY_TILE));  //   klo[i] <= enter[r] < khi[i]
-  int32_t* wlo = reinterpret_cast<int32_t*>(take(KEY_TILE));  //   and wlo[i] <= row_lo[r] < whi[i]
-  int32_t* whi = reinterpret_cast<int32_t*>(take(KEY_TILE));
+  int32_t* klo = reinterpret_cast<int32_t*>(take(BT));  // key i visible to row r iff
+  int32_t* khi = reinterpret_cast<int32_t*>(take(BT));  //   klo[i] <= enter[r] < khi[i]
+  int32_t* wlo = reinterpret_cast<int32_t*>(take(BT));  //   and wlo[i] <= row_lo[r] < whi[i]
+  int32_t* whi = reinterpret_cast<int32_t*>(take(BT));
   float* orow = take(dv);
-  const char* kr[KEY_TILE];
-  const char* vr[KEY_TILE];
-  int64_t bad[KEY_TILE];  // keys of a masked tile whose V row is not finite
+  const char* kr[BT];
+  const char* vr[BT];
+  int64_t bad[BT];  // keys of a masked tile whose V row is not finite
 
   // Q rows as stored (padding: zero rows and columns); each row's tree entry and window start.
   int64_t edge = 0;  // prefix keys below it are outside some row's window
@@ -145,37 +168,38 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     l[r] = sink ? 1.0f : 0.0f;
   }
   for (int64_t i = 0; i < mp * dv; ++i) o[i] = 0.0f;
-  for (int64_t i = rows * KEY_TILE; i < mp * KEY_TILE; ++i) pa[i] = 0;  // padding rows' P: never written
+  for (int64_t i = rows * BT; i < mp * BT; ++i) pa[i] = 0;  // padding rows' P: never written
 
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   const int64_t* depth = p.node_depth ? p.node_depth + p.tree_starts[b] : nullptr;
   const typename V::T cap = V::set1(p.cap2), scale = V::set1(p.q_scale), minus_inf = V::set1(-__builtin_inff());
-  for (int64_t j0 = it.c0; j0 < it.c1; j0 += KEY_TILE) {
-    const int64_t count = imin(KEY_TILE, it.c1 - j0);
+  for (int64_t j0 = it.c0; j0 < it.c1; j0 += BT) {
+    const int64_t count = imin(BT, it.c1 - j0), padded = (count + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
     for (int64_t i = 0; i < count; ++i) {
       kr[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
       vr[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
-      if (j0 + KEY_TILE + i < it.c1) {  // the next tile's rows: a token-major stride the prefetchers miss
-        const int64_t next = j0 + KEY_TILE + i;
+      if (j0 + BT + i < it.c1) {  // the next tile's rows, into L2: a token-major stride the prefetchers miss
+        const int64_t next = j0 + BT + i;
         const char* nk = static_cast<const char*>(p.k) + key_offset(p, b, next, p.k_page, p.k_tok, p.k_head, it.h) * esize;
         const char* nv = static_cast<const char*>(p.v) + key_offset(p, b, next, p.v_page, p.v_tok, p.v_head, it.h) * esize;
-        for (int64_t c = 0; c < d * esize; c += 64) __builtin_prefetch(nk + c);
-        for (int64_t c = 0; c < dv * esize; c += 64) __builtin_prefetch(nv + c);
+        for (int64_t c = 0; c < d * esize; c += 64) __builtin_prefetch(nk + c, 0, 2);
+        for (int64_t c = 0; c < dv * esize; c += 64) __builtin_prefetch(nv + c, 0, 2);
       }
     }
-    pack_kt(kr, count, words, !wide && (d % 2), kt);
-    pack_v(vr, count, dv, p.dtype, vt);
-    brgemm(p.dtype, mp, KEY_TILE, dp, dp, KEY_TILE, KEY_TILE, false, qa, kt, s);
+    pack_kt(kr, count, padded, words, !wide && (d % 2), kt);
+    if (!wide && !p.b_pairs) unpair_kt(words, padded, kt);
+    pack_v(vr, count, padded, dv, p.dtype, p.b_pairs, vt);
+    brgemm(p.dtype, mp, padded, dp, dp, BT, BT, false, qa, kt, s);
 
     // Visibility (as in kernel.hpp), on tiles holding keys some row cannot see: tree keys, the window's
     // ragged edge, and the padding keys of a short tile. An invisible score becomes -inf (probability 0);
     // a non-finite V row of such a key would still reach every row through 0 * inf in the GEMM, so it is
     // cleared there and added to the rows that see it one by one.
     const bool edged = p.window && j0 < edge;
-    const bool masked = (n > 0 && j0 + count > tree_lo) || edged || count < KEY_TILE;
+    const bool masked = (n > 0 && j0 + count > tree_lo) || edged || count < padded;
     int64_t nbad = 0;
     if (masked) {
-      for (int64_t i = 0; i < KEY_TILE; ++i) {
+      for (int64_t i = 0; i < padded; ++i) {
         const int64_t node = j0 + i - tree_lo;
         klo[i] = i >= count ? ALWAYS : node < 0 ? NEVER : order[2 * node];
         khi[i] = i >= count ? NEVER : node < 0 ? ALWAYS : order[2 * node + 1];
@@ -185,38 +209,48 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       for (int64_t i = edged ? 0 : tree_lo > j0 ? tree_lo - j0 : 0; i < count; ++i)
         if (nonfinite_row(vr[i], p.dtype, dv)) {
           bad[nbad++] = i;
-          clear_v(vt, p.dtype, dv, i);
+          clear_v(vt, p.dtype, p.b_pairs, dv, i);
         }
     }
-    for (int64_t r = 0; r < rows; ++r) {  // online softmax, a row at a time
-      float* sr = s + r * KEY_TILE;
+    // Online softmax, a row at a time, in two passes over the row's scores. A tile whose scores are used
+    // as computed (no mask, no soft-cap) is only read in the first pass (the max of raw scores: the scale
+    // is positive) and scaled inside the second; other tiles store their final scores in the first.
+    // The second pass writes P once: in the dtype the PV GEMM reads (16-bit, or fp32 in place).
+    const bool raw = !masked && p.cap2 == 0.0f;
+    const float unit = raw ? p.q_scale : 1.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = s + r * BT;
       typename V::T top = minus_inf;
-      for (int64_t i = 0; i < KEY_TILE; i += V::W) {
-        typename V::T x = V::mul(V::load(sr + i), scale);
-        if (p.cap2 != 0.0f) x = V::mul(tanh_approx(x), cap);
-        if (masked)
-          x = V::select(V::band(V::range(klo + i, khi + i, enter[r]), V::range(wlo + i, whi + i, row_lo[r])), x,
-                        minus_inf);
-        V::store(sr + i, x);
-        top = V::max(top, x);
+      if (raw) {
+        for (int64_t i = 0; i < padded; i += V::W) top = V::max(top, V::load(sr + i));
+      } else {
+        for (int64_t i = 0; i < padded; i += V::W) {
+          typename V::T x = V::mul(V::load(sr + i), scale);
+          if (p.cap2 != 0.0f) x = V::mul(tanh_approx(x), cap);
+          if (masked)
+            x = V::select(V::band(V::range(klo + i, khi + i, enter[r]), V::range(wlo + i, whi + i, row_lo[r])), x,
+                          minus_inf);
+          V::store(sr + i, x);
+          top = V::max(top, x);
+        }
       }
-      float lanes[V::W], fresh = m[r], total = 0.0f;
-      V::store(lanes, top);
-      for (int i = 0; i < V::W; ++i) fresh = lanes[i] > fresh ? lanes[i] : fresh;
+      const float row_top = V::reduce_max(top) * unit, fresh = row_top > m[r] ? row_top : m[r];
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
       const float shift = fresh == -__builtin_inff() ? 0.0f : fresh;
-      const typename V::T vshift = V::set1(shift);
+      const typename V::T vshift = V::set1(-shift), vunit = V::set1(unit);
       typename V::T sum = V::zero();
-      for (int64_t i = 0; i < KEY_TILE; i += V::W) {
-        const typename V::T e = V::exp2(V::sub(V::load(sr + i), vshift));
-        V::store(sr + i, e);
+      uint16_t* pr = pa + r * BT;
+      for (int64_t i = 0; i < padded; i += V::W) {
+        const typename V::T e = V::exp2(V::fma(V::load(sr + i), vunit, vshift));
         sum = V::add(sum, e);
+        if (p.dtype == BF16) V::store_bf16(pr + i, e);
+        else if (p.dtype == F16) V::store_f16(pr + i, e);
+        else V::store(sr + i, e);
       }
-      V::store(lanes, sum);
-      for (int i = 0; i < V::W; ++i) total += lanes[i];
+      float lanes[V::W];
       V::store(lanes, V::exp2(V::set1(m[r] - shift)));
       const float alpha = lanes[0];
-      l[r] = l[r] * alpha + total;
+      l[r] = l[r] * alpha + V::reduce_add(sum);
       m[r] = fresh;
       if (alpha != 1.0f) {
         float* orr = o + r * dv;
@@ -224,17 +258,15 @@ static void run(const Problem& p, const Item& it, float* scratch) {
         for (; c + V::W <= dv; c += V::W) V::store(orr + c, V::mul(V::load(orr + c), V::set1(alpha)));
         for (; c < dv; ++c) orr[c] *= alpha;
       }
-      if (p.dtype == BF16) V::narrow_bf16(sr, pa + r * KEY_TILE, KEY_TILE);
-      else if (p.dtype == F16) V::narrow_f16(sr, pa + r * KEY_TILE, KEY_TILE);
     }
-    brgemm(p.dtype, mp, dv, KEY_TILE, KEY_TILE, dv, dv, true, wide ? static_cast<const void*>(s) : pa, vt, o);
+    brgemm(p.dtype, mp, dv, padded, BT, dv, dv, true, wide ? static_cast<const void*>(s) : pa, vt, o);
     for (int64_t k = 0; k < nbad; ++k) {
       const int64_t i = bad[k];
       load_row(vr[i], p.dtype, 0, dv, orow);
       for (int64_t r = 0; r < rows; ++r) {
         if (!(klo[i] <= enter[r] && enter[r] < khi[i] && wlo[i] <= row_lo[r] && row_lo[r] < whi[i])) continue;
-        const float pr = wide ? s[r * KEY_TILE + i]
-                              : p.dtype == BF16 ? bf16_to_float(pa[r * KEY_TILE + i]) : half_to_float(pa[r * KEY_TILE + i]);
+        const float pr = wide ? s[r * BT + i]
+                              : p.dtype == BF16 ? bf16_to_float(pa[r * BT + i]) : half_to_float(pa[r * BT + i]);
         for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += pr * orow[c];
       }
     }

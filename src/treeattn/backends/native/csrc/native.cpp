@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -22,6 +23,8 @@ void run_item_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_avx512(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
+float fma_loop_avx2(int64_t iters);
+float fma_loop_avx512(int64_t iters);
 #endif
 
 namespace {
@@ -354,6 +357,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     for (int64_t i = 0; i < flat.numel(); ++i) sinks2[size_t(i)] = float(flat.data_ptr<float>()[i] / std::log(2.0));
     p.sinks2 = sinks2.data();
   }
+  p.b_pairs = is_brgemm(isa) && p.dtype != F32 && brgemm_b_pairs(p.dtype);
   run(p, meta.size(1), isa);
 }
 
@@ -399,6 +403,46 @@ void merge_state(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b,
   }
 }
 
+// This CPU's peak in GFLOP/s on `threads` threads (0: at::get_num_threads()), measured now: "fma-avx512" /
+// "fma-avx2" (independent FMAs on 16 / 8 lanes), or "brgemm-fp32" / "brgemm-bf16" / "brgemm-fp16" (oneDNN's
+// micro-kernel on the brgemm path's QK^T shape at T 64, group 4, d 128: 256 x 256 x 128, operands in cache).
+// Each thread runs `iters` rounds; throws where the kind is not available.
+double peak(const std::string& kind, int64_t iters, int64_t threads) {
+  if (threads <= 0) threads = at::get_num_threads();
+  constexpr int64_t M = 256, N = 256, K = 128;
+  const bool fma = kind == "fma-avx512" || kind == "fma-avx2";
+  TORCH_CHECK(fma || kind == "brgemm-fp32" || kind == "brgemm-bf16" || kind == "brgemm-fp16", "unknown peak kind ", kind);
+  TORCH_CHECK(!fma || (kind == "fma-avx512" ? has_avx512() : has_avx2()), kind, " is not available on this CPU");
+  const int32_t dtype = kind == "brgemm-bf16" ? BF16 : kind == "brgemm-fp16" ? F16 : F32;
+  const double flops_per_iter = fma ? 2.0 * 16 * (kind == "fma-avx512" ? 16 : 8) : 2.0 * M * N * K;
+  std::atomic<double> sink{0.0};  // every result feeds it: no loop is optimised away
+  auto body = [&]() {
+#if defined(__x86_64__)
+    if (fma) {
+      sink = sink + (kind == "fma-avx512" ? fma_loop_avx512(iters) : fma_loop_avx2(iters));
+      return;
+    }
+#endif
+    // Operands: zeros in fp32, 0x3f00 in 16 bits (0.5 in bf16, 1.75 in fp16): finite sums either way.
+    const size_t halves = dtype == F32 ? 2 : 1;
+    std::vector<uint16_t> a(M * K * halves, dtype == F32 ? 0 : 0x3f00), b(K * N * halves, dtype == F32 ? 0 : 0x3f00);
+    std::vector<float> c(M * N, 0.0f);
+    Release release{true, dtype};
+    for (int64_t i = 0; i < iters; ++i) brgemm(dtype, M, N, K, K, N, N, i > 0, a.data(), b.data(), c.data());
+    sink = sink + c[0];
+  };
+  auto all = [&]() {
+    at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) body();
+    });
+  };
+  all();  // warm-up: each thread's kernel JIT compile, and the clock's ramp
+  const auto start = std::chrono::steady_clock::now();
+  all();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return flops_per_iter * double(iters) * double(threads) / seconds / 1e9;
+}
+
 }  // namespace
 }  // namespace treeattn_native
 
@@ -406,6 +450,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first for 16-bit dtypes");
   // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
   m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("peak", &treeattn_native::peak, "this CPU's measured FMA or brgemm peak in GFLOP/s (kind, rounds per thread, threads)",
         py::call_guard<py::gil_scoped_release>());
   m.def("merge_state", &treeattn_native::merge_state, "base-2 LSE merge of two partial results",
         py::call_guard<py::gil_scoped_release>());

@@ -33,6 +33,7 @@ struct Problem {
   int64_t l_row, l_head;
   int64_t h_kv, group, d, dv;
   bool v_in_k;  // V is K's first dv dims (MLA's absorbed form): the packed K tile serves as V's
+  bool b_pairs;  // brgemm paths: oneDNN wants a 16-bit B in VNNI pairs here (brgemm_b_pairs), else plain
   float q_scale;  // Q's factor: sm_scale * log2(e) (scores in the base-2 domain), sm_scale / cap with a soft-cap
   float cap2;     // logit soft-cap: scores are cap2 * tanh(q_scale * q.k), cap2 = cap * log2(e); 0: none
   const float* sinks2;  // [h_q] sink logits in base 2, or null
@@ -72,19 +73,21 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
          + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
 }
 
-// The brgemm kernel's (kernel_brgemm.hpp): rows padded to brgemm_rows, head dim to an even count,
+// The brgemm kernel's (kernel_brgemm.hpp): key tiles of up to BRGEMM_TILE keys, padded to a multiple
+// of KEY_TILE; rows padded to brgemm_rows, head dim to an even count,
 // every buffer aligned to 64 bytes (ALIGN floats of slack for each of its 15 buffers and the start).
 constexpr int64_t ALIGN = 16;
+constexpr int64_t BRGEMM_TILE = 256;
 static inline int64_t brgemm_rows(int64_t rows) { return rows <= 16 ? (rows + 3) / 4 * 4 : (rows + 15) / 16 * 16; }
 static inline int64_t brgemm_scratch_floats(const Problem& p, int64_t rows) {
   const int64_t mp = brgemm_rows(rows), dp = (p.d + 1) / 2 * 2;
   return mp * dp              // Q in its dtype
-         + dp * KEY_TILE      // K^T tile (VNNI for 16-bit)
-         + KEY_TILE * p.dv    // V tile (VNNI for 16-bit)
-         + 2 * mp * KEY_TILE  // scores, and 16-bit probabilities
-         + mp * p.dv          // O
-         + 5 * mp             // m, l, alpha, enter, window start of each row
-         + 4 * KEY_TILE       // each key's visibility bounds
+         + dp * BRGEMM_TILE      // K^T tile (VNNI for 16-bit)
+         + BRGEMM_TILE * p.dv    // V tile (VNNI for 16-bit)
+         + 2 * mp * BRGEMM_TILE  // scores, and 16-bit probabilities
+         + mp * p.dv             // O
+         + 5 * mp                // m, l, alpha, enter, window start of each row
+         + 4 * BRGEMM_TILE       // each key's visibility bounds
          + p.dv               // one output row
          + 16 * ALIGN;
 }
@@ -92,11 +95,16 @@ static inline int64_t brgemm_scratch_floats(const Problem& p, int64_t rows) {
 using ItemFn = void (*)(const Problem&, const Item&, float* scratch);
 
 // oneDNN's brgemm micro-kernels through PyTorch (brgemm.cpp, the only translation unit that sees torch):
-// C[M x N] (+)= A[M x K] B[K x N], row-major, fp32 C; a 16-bit B is in VNNI layout [K/2][N][2]. Throws
-// (c10::Error) where oneDNN has no kernel for dtype on this CPU. brgemm_release: once per thread after
-// its last call.
+// C[M x N] (+)= A[M x K] B[K x N], row-major, fp32 C; a 16-bit B is in the layout brgemm_b_pairs says.
+// Throws (c10::Error) where oneDNN has no kernel for dtype on this CPU. brgemm_release: once per thread
+// after its last call.
 void brgemm(int32_t dtype, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool add,
             const void* a, const void* b, float* c);
 void brgemm_release(int32_t dtype);
+// Whether oneDNN's kernel for a 16-bit dtype reads B in VNNI pairs [K/2][N][2] (AMX; bf16 on AVX512-BF16)
+// or plain [K][N] (fp16 on AVX512-FP16 without AMX-FP16: PyTorch passes "VNNI" through, oneDNN reads it
+// plain). Probed once per process and dtype on a known product; true where the probe cannot tell (the
+// path's self-check then judges it).
+bool brgemm_b_pairs(int32_t dtype);
 
 }  // namespace treeattn_native

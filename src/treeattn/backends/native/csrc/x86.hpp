@@ -1,6 +1,7 @@
-// Data movement shared by the x86 brgemm paths (AVX2 and AVX-512 translation units), included inside
-// each one's namespace after its target pragma: every function here is static (internal linkage), so
-// each translation unit keeps its own copy, compiled for its own ISA (see problem.h).
+// Shared by the x86 paths (AVX2 and AVX-512 translation units): the brgemm paths' data movement and the
+// FMA peak's loop, included inside each one's namespace after its target pragma and kernel.hpp: every
+// function here is static (internal linkage), so each translation unit keeps its own copy, compiled for
+// its own ISA (see problem.h).
 
 // An 8 x 8 block of 32-bit words, rows[r] + off (bytes) for r < 8, transposed into dst[c * ld + r].
 static inline void transpose8x8(const char* const* rows, int64_t off, uint32_t* dst, int64_t ld) {
@@ -38,4 +39,16 @@ static inline void interleave16(const char* a, const char* b, uint16_t* dst, int
     dst[2 * i] = x;
     dst[2 * i + 1] = y;
   }
+}
+
+// The FMA peak's inner loop (native.cpp's peak): 16 independent accumulators, enough to keep every FMA
+// pipe busy through its latency; returns their sum so the loop is not optimised away.
+static float fma_loop(int64_t iters) {
+  typename V::T acc[16];
+  const typename V::T a = V::set1(0.999999f), b = V::set1(1e-7f);
+  for (int i = 0; i < 16; ++i) acc[i] = V::set1(float(i));
+  for (int64_t n = 0; n < iters; ++n)
+    for (int i = 0; i < 16; ++i) acc[i] = V::fma(acc[i], a, b);
+  for (int i = 1; i < 16; ++i) acc[0] = V::add(acc[0], acc[i]);
+  return V::reduce_add(acc[0]);
 }
