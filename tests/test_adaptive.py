@@ -17,6 +17,7 @@ from treeattn.speculative.adaptive import (
     Candidates,
     CostModel,
     LearningDrafter,
+    StepGate,
 )
 
 
@@ -237,3 +238,64 @@ def test_arguments_are_checked():
         CostModel.fixed(0.05, 0.001, -0.01)
     with pytest.raises(ValueError, match="one entry per tree node"):
         Candidates(DraftTree.root_only(1), np.zeros(2), np.zeros(1))
+
+
+# ---------------------------------------------------------------- the step gate (batched engines)
+
+
+def test_step_gate_measures_both_arms_then_runs_the_better_and_probes_the_other():
+    gate = StepGate(probe_every=4)
+    assert gate.drafts(8) is False  # nothing measured: a plain step first
+    gate.record(8, False, 8, 0.1)  # 10 tokens per request per second
+    assert gate.drafts(8) is True  # drafting not measured yet: try it
+    gate.record(8, True, 24, 0.2)  # 15
+    assert gate.rate(8, True) == pytest.approx(15) and gate.rate(15, False) == pytest.approx(10)  # one class: 8-15
+    # drafting measured 1.5x faster: plain is tried again after 4 * 1.5 = 6 steps
+    assert [gate.drafts(9) for _ in range(14)] == ([True] * 5 + [False]) * 2 + [True] * 2
+    assert np.isnan(gate.rate(16, False)) and gate.drafts(16) is False  # another batch size, measured apart
+    for _ in range(10):
+        gate.record(12, True, 12, 0.2)  # drafting stopped paying (5): recent steps outweigh the old
+    assert 5 < gate.rate(8, True) < 6  # plain is now ~1.8x faster: drafting is tried once in 4 * 1.8 steps
+    assert [gate.drafts(8) for _ in range(16)].count(True) == 2
+
+
+@pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget")])
+def test_step_gate_refuses_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StepGate(**kwargs)
+    with pytest.raises(ValueError, match="tokens >= batch"):
+        StepGate().record(4, True, 3, 0.1)
+
+
+def _serve(drafter, batch: int, steps: int, per_token: float, fixed: float, per_draft: float):
+    """A simulated engine: ``batch`` requests whose target always continues 5, 6, 7, 8, a step costing
+    ``fixed + per_token * (its tokens)`` plus ``per_draft`` per request when the drafter drafted;
+    returns (tokens per second, share of steps that drafted)."""
+    tokens = seconds = drafting = 0.0
+    contexts = [np.array([1])] * batch
+    for _ in range(steps):
+        trees = drafter.propose(contexts)
+        drafted = drafter.gate is None or drafter._gated
+        emitted = [[5, 6, 7, 8][:t.size] for t in trees]  # the chain is always right: each node is accepted
+        step = fixed + per_token * sum(t.size for t in trees) + per_draft * batch * drafted
+        drafter.observe(emitted, step)
+        tokens, seconds, drafting = tokens + sum(map(len, emitted)), seconds + step, drafting + drafted
+    return tokens / seconds, drafting / steps
+
+
+def test_gated_drafter_keeps_its_wins_alone_and_never_loses_in_a_compute_bound_batch():
+    # One request: a step is mostly fixed cost, a tree of 4 emits 4 tokens: drafting wins big.
+    alone = AdaptiveDrafter(FixedChains([5, 6, 7]), gate=StepGate())
+    rate, share = _serve(alone, 1, 200, per_token=0.002, fixed=0.04, per_draft=0.003)
+    assert share > 0.85 and rate > 2.5 / 0.042  # well above a plain step's 1 token per 42 ms
+    # Sixteen requests, compute-bound (the step's time is in its tokens), and drafting for each request
+    # costs more than its accepted tokens save: without the gate the drafter still drafts every step
+    # (it pays for drafting before it can cut), with it the engine decodes plainly but for its probes.
+    plain = 16 / (0.01 + 0.02 * 16)
+    ungated, share = _serve(AdaptiveDrafter(FixedChains([5, 6, 7])), 16, 200, per_token=0.02, fixed=0.01,
+                            per_draft=0.02)
+    assert share == 1 and ungated < 0.9 * plain
+    rate, share = _serve(AdaptiveDrafter(FixedChains([5, 6, 7]), gate=StepGate()), 16, 200, per_token=0.02,
+                         fixed=0.01, per_draft=0.02)
+    assert share < 0.1 and rate > 0.95 * plain
+

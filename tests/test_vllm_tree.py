@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import VOCAB
 from treeattn.speculative import DraftTree, NGramDrafter
-from treeattn.speculative.adaptive import AdaptiveDrafter
+from treeattn.speculative.adaptive import AdaptiveDrafter, StepGate
 from treeattn.speculative.heads import DraftHeads, HeadDrafter, find_heads, save_heads
 from treeattn.vllm import tree_speculative_config
 from treeattn.vllm.speculative import (
@@ -160,6 +160,16 @@ def test_a_learning_drafter_hears_each_request_outcome_by_request_id():
     proposer._rows = [("c", False), ("d", False)]
     proposer.propose([[4], [5]], np.array([7, 7]), tokens)
     assert drafter.observed[-1] == ([[4], [5]], None)
+
+
+def test_the_proposer_lets_an_adaptive_drafter_skip_drafting_for_a_whole_step():
+    proposer = TreeProposer.__new__(TreeProposer)
+    drafter = AdaptiveDrafter(NGramDrafter(4), max_nodes=4)
+    proposer._setup(drafter, nodes=4)
+    assert isinstance(drafter.gate, StepGate)  # an engine step is shared: drafting must pay per batch step
+    own = StepGate(probe_every=8)
+    proposer._setup(AdaptiveDrafter(NGramDrafter(4), gate=own), nodes=4)
+    assert proposer.drafter.gate is own
 
 
 class _Unpicklable:

@@ -21,6 +21,15 @@ calibrated edge probabilities along its path, the expected tokens of a step are 
 (``B`` bonus tokens), and the nodes of all requests, best first, are cut at the count that maximises
 ``(B + sum(p)) / (a + b * (B + k) + c * [k > 0])``. When no node pays for its verification the step is a plain
 decode: every tree is a lone root.
+
+``StepGate`` (optional; vLLM's ``TreeProposer`` gives every adaptive drafter one) decides, before any
+drafting, whether a batch step drafts at all. At concurrency a step is shared and compute-bound:
+drafting for every request (a draft head runs per request) and verifying trees can cost more than
+they return, and a linear cost model fitted on drafting steps alone cannot tell (it never sees the
+plain step it is compared with). The gate does not model: per batch size (powers of two) it keeps
+the measured tokens per request per second of steps that drafted and of steps that did not, takes
+the better, and tries the other now and then. Its plain steps feed the cost model too: the plain
+step that trees are compared with is measured, not extrapolated from drafting steps.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch
 from .verify import DraftTree
 
 __all__ = ["AdaptiveDrafter", "Calibrator", "Candidates", "CostModel", "LearningDrafter", "ScoringDrafter",
-           "StepCost", "grow", "make_adaptive", "probe_cost"]
+           "StepCost", "StepGate", "grow", "make_adaptive", "probe_cost"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,6 +280,53 @@ def probe_cost(model, cost: CostModel, sizes: Sequence[int] = (1, 2, 4, 8, 16, 3
     return cost
 
 
+class StepGate:
+    """Whether a step of ``batch`` requests drafts at all, from measured throughput (module docstring).
+
+    Per batch-size class (``batch.bit_length()``: 1, 2-3, 4-7, 8-15, ...) and per arm (drafting or
+    not), an exponentially weighted mean (``forget`` per step of that arm) of the step's emitted tokens
+    per request per second. A class with an unmeasured arm tries it (not drafting first: the drafter
+    learns its costs from plain steps); otherwise the better arm runs and the other is tried again
+    after ``probe_every`` steps of the class times how many times faster the better arm measured (a
+    far worse arm is tried more rarely), so that a change of load or text is noticed.
+    """
+
+    def __init__(self, probe_every: int = 16, forget: float = 0.8):
+        if not isinstance(probe_every, (int, np.integer)) or probe_every < 2:
+            raise ValueError(f"probe_every must be an integer >= 2, got {probe_every!r}")
+        if not 0 < forget < 1:
+            raise ValueError(f"forget must be in (0, 1), got {forget}")
+        self.probe_every, self.forget = int(probe_every), float(forget)
+        self._sums: dict[tuple[int, bool], np.ndarray] = {}  # (class, drafts) -> [weighted rate, weight]
+        self._since: dict[int, int] = {}  # per class, steps since the losing arm was last tried
+
+    def rate(self, batch: int, drafts: bool) -> float:
+        """Measured tokens per request per second of an arm at this batch size; nan before any step."""
+        total, weight = self._sums.get((int(batch).bit_length(), bool(drafts)), (0.0, 0.0))
+        return total / weight if weight else float("nan")
+
+    def drafts(self, batch: int) -> bool:
+        """Whether the next step of ``batch`` requests should draft."""
+        key = int(batch).bit_length()
+        plain, drafting = self.rate(batch, False), self.rate(batch, True)
+        if np.isnan(plain) or np.isnan(drafting):
+            return not np.isnan(plain)
+        better = bool(drafting > plain)
+        since = self._since[key] = self._since.get(key, 0) + 1
+        if since < self.probe_every * max(plain, drafting) / min(plain, drafting):
+            return better
+        self._since[key] = 0
+        return not better
+
+    def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A step of ``batch`` requests that did (``drafted``) or did not draft emitted ``tokens`` in ``seconds``."""
+        if batch < 1 or tokens < batch or not seconds > 0:
+            raise ValueError(f"a step has batch >= 1, tokens >= batch and seconds > 0, got {batch}, {tokens}, {seconds}")
+        sums = self._sums.setdefault((int(batch).bit_length(), bool(drafted)), np.zeros(2))
+        sums *= self.forget
+        sums += (tokens / batch / seconds, 1.0)
+
+
 def make_adaptive(drafter, *, max_nodes: int = 32):
     """``drafter`` wrapped in an ``AdaptiveDrafter`` (trees of at most ``max_nodes``) when it scores its
     candidates and does not learn by itself; any other drafter as it is."""
@@ -289,12 +345,13 @@ class AdaptiveDrafter:
     milliseconds per step would buy little beside it (the head costs ~6 ms a step on 2 CPU cores;
     in vLLM on SmolLM2, single development runs, 0.5 ran faster on the demo's prompts than 1 or 2).
     ``max_nodes`` caps one request's tree (the root included). ``cost`` defaults to a fresh
-    ``CostModel``. Implements ``Drafter`` and ``LearningDrafter``: keep one instance across
-    ``generate`` calls to keep what it learnt.
+    ``CostModel``. ``gate``: a ``StepGate`` that may skip drafting for a whole step (None: always
+    draft, and let the cut decide). Implements ``Drafter`` and ``LearningDrafter``: keep one instance
+    across ``generate`` calls to keep what it learnt.
     """
 
     def __init__(self, *sources: ScoringDrafter, cost: CostModel | None = None, max_nodes: int = 32,
-                 calibration_strength: float = 2.0, enough: float | None = 0.5):
+                 calibration_strength: float = 2.0, enough: float | None = 0.5, gate: StepGate | None = None):
         if not sources:
             raise ValueError("AdaptiveDrafter needs at least one ScoringDrafter source")
         for i, s in enumerate(sources):
@@ -310,6 +367,8 @@ class AdaptiveDrafter:
         self.cost = cost if cost is not None else CostModel()
         self.max_nodes = int(max_nodes)
         self.calibrators = [Calibrator(calibration_strength) for _ in sources]
+        self.gate = gate
+        self._gated = False  # whether the gate let the last step draft
         self._pending: list[list[Candidates]] = []  # per source, the last step's candidates
         self._nodes = 0  # total nodes of the last step
         self._drafted = False  # whether the last step drafted anything
@@ -319,6 +378,10 @@ class AdaptiveDrafter:
 
     def propose(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[DraftTree]:
         n = len(contexts)
+        self._gated = n > 0 and self.gate is not None and self.gate.drafts(n)
+        if self.gate is not None and not self._gated:  # a plain step: no drafting, nothing to label
+            self._pending, self._nodes, self._drafted = [], n, False
+            return [DraftTree.root_only(int(c[-1])) for c in contexts]
         per_source, expected = [], np.zeros(n)
         for i, (s, calibrator) in enumerate(zip(self.sources, self.calibrators)):
             ask = [b for b in range(n) if i == 0 or self.enough is None or expected[b] < self.enough]
@@ -345,6 +408,9 @@ class AdaptiveDrafter:
                 calibrator.learn(c, tokens)
         if self._nodes and seconds is not None:
             self.cost.add(self._nodes, seconds, drafted=self._drafted)
+            served = [e for e in emitted if e]  # a request that left the batch emitted nothing
+            if self.gate is not None and served:
+                self.gate.record(len(served), self._gated, sum(map(len, served)), seconds)
         self._pending, self._nodes = [], 0
 
     def _expected_tokens(self, cands: Candidates, calibrator: Calibrator) -> float:

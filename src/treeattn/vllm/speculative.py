@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from ..speculative import Drafter, DraftTree, SamplingParams, verify_greedy, verify_sampling
-from ..speculative.adaptive import LearningDrafter, make_adaptive
+from ..speculative.adaptive import AdaptiveDrafter, LearningDrafter, StepGate, make_adaptive
 from ..speculative.choice import DRAFTERS, build_drafter, heads_file
 from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
@@ -325,6 +325,10 @@ class TreeProposer:
         _install_runner_hooks()
 
     def _setup(self, drafter: Drafter, nodes: int) -> None:
+        if isinstance(drafter, AdaptiveDrafter) and drafter.gate is None:
+            # An engine step is shared by the batch: whether drafting pays at all is measured per
+            # batch size (at concurrency trees can cost more than they return; alone they win).
+            drafter.gate = StepGate()
         self.drafter, self.nodes = drafter, nodes
         self._hidden_rows: np.ndarray | None = None  # per request, the step's row of its last token
         self._hidden: torch.Tensor | None = None  # the final hidden states at those rows
