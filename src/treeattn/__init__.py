@@ -9,7 +9,7 @@ decoding's draft trees and drafters (``DraftTree``, ``Drafter``, ``NGramDrafter`
 
 from .kvcache import OutOfPagesError, PagedKVCache
 from .layout import PagedKV
-from .ops import PagedCall, merge_state, paged_tree_attention, prepare_paged_tree_attention, tree_attention
+from .ops import PagedCall, merge_state, paged_tree_attention, prepare_paged_tree_attention, prepare_plan, tree_attention
 from .plan import TreeAttentionPlan
 from .rope import RoPE
 from .speculative import Drafter, DraftTree, MedusaHeads, NGramDrafter, SamplingParams, StaticTreeDrafter, verify
@@ -36,6 +36,7 @@ __all__ = [
     "pack_trees",
     "paged_tree_attention",
     "prepare_paged_tree_attention",
+    "prepare_plan",
     "tree_attention",
     "tree_depths",
     "tree_order",

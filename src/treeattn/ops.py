@@ -124,6 +124,18 @@ def _check_plan(plan, kind: str) -> None:
         raise TypeError(f"plan must be a TreeAttentionPlan built with TreeAttentionPlan.{kind}(...)")
 
 
+def prepare_plan(plan: TreeAttentionPlan, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, v_head_dim: int | None = None, backend=None) -> TreeAttentionPlan:
+    """Do the chosen backend's per-step host work for ``plan`` now (work partition, device tables) rather
+    than in the first layer's call, as FlashInfer's ``plan()`` does; every later call of the step only
+    runs. Returns ``plan``. (Here, not on the plan: choosing a backend is the operators' job, and the plan
+    sits below the backends that read it.)"""
+    spec = AttentionSpec(plan.device, dtype, num_q_heads, num_kv_heads, head_dim,
+                         head_dim if v_head_dim is None else v_head_dim, page_size=plan.page_size)
+    plan.state(select(backend, spec), spec)
+    return plan
+
+
 def tree_attention(q, q_indptr, k, v, kv_indptr, tree_indptr, tree_order, *, sm_scale=None, rope=None,
                    q_positions=None, k_positions=None, sliding_window=None, logit_softcap=None, sinks=None,
                    out=None, lse=None, backend=None, plan=None):

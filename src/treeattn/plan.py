@@ -13,15 +13,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from .tree import MAX_TREE_SIZE, check_tree_order, path_sums
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .backends.base import AttentionSpec, Backend
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -301,20 +298,10 @@ class TreeAttentionPlan:
 
     # ------------------------------------------------------------------ backend state
 
-    def prepare(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                v_head_dim: int | None = None, backend=None) -> TreeAttentionPlan:
-        """Do the chosen backend's per-step host work now (work partition, device tables) rather than in the
-        first layer's call, as FlashInfer's ``plan()`` does; every later call of the step only runs."""
-        from .backends import AttentionSpec, select
-
-        spec = AttentionSpec(self.device, dtype, num_q_heads, num_kv_heads, head_dim,
-                             head_dim if v_head_dim is None else v_head_dim, page_size=self.page_size)
-        self.state(select(backend, spec), spec)
-        return self
-
-    def state(self, backend: Backend, spec: AttentionSpec) -> Any:
-        """The per-step state ``backend`` derives from this plan for calls like ``spec``: built on first use
-        (under a lock, so threads sharing the plan build it once) and reused by every later layer."""
+    def state(self, backend, spec) -> Any:
+        """The per-step state ``backend`` (a ``backends.Backend``) derives from this plan for calls like
+        ``spec`` (an ``AttentionSpec``): built on first use (under a lock, so threads sharing the plan build
+        it once) and reused by every later layer. The plan sits below the backends: it names neither."""
         key = (backend.name, spec)
         try:
             return self._states[key]

@@ -28,7 +28,8 @@ from ..ops import paged_tree_attention
 from ..plan import TreeAttentionPlan
 from ..testing import random_tree
 from ..tree import pack_trees
-from .cpu import DTYPES, machine_info
+from .bench_cpu import DTYPES
+from .machine import machine_info
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -41,7 +39,7 @@ from .. import ops
 from ..plan import TreeAttentionPlan
 from ..testing import Request, make_batch, random_tree
 from ..tree import ancestor_mask, tree_depths
-from .machine import core_name, cpuinfo
+from .machine import load_average, machine_info
 
 GRID_T = (8, 26, 64, 128)
 GRID_PREFIX = (0, 512, 4096, 16384)
@@ -53,28 +51,6 @@ METHODS = ("treeattn", "treeattn-paged", "sdpa-mask", "sdpa-gqa", "flex", "tvm",
 # The treeattn variant each baseline is compared with (same KV layout family).
 OURS_FOR = {"sdpa-mask": "treeattn", "sdpa-gqa": "treeattn", "flex": "treeattn", "tvm": "treeattn",
             "tvm-paged": "treeattn-paged"}
-
-
-# ---------------------------------------------------------------- machine
-
-
-def machine_info() -> dict:
-    fields = cpuinfo()
-    flags = set(fields.get("flags", "").split())
-    isa = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_fp16") if name in flags]
-    name, core = fields.get("model name") or platform.processor() or platform.machine(), core_name(fields)
-    return {"cpu": f"{name} ({core})" if core else name, "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "load_average_before": _load_average(),
-            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "isa": isa, "python": platform.python_version()}
-
-
-def _load_average() -> list[float] | None:
-    """1/5/15-minute load average: other processes on the machine make every number slower."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def matmul_peak(dtype: torch.dtype, seconds: float = 1.5, sizes: tuple[int, ...] = (1024, 2048, 3072),
@@ -535,7 +511,7 @@ def run_cpu_bench(*, dtypes: list[str] = ("fp32", "bf16"), ts=GRID_T, prefixes=G
                                      slow_max_s=slow_max_s, clock=clock,
                                      on_step=lambda s, label=label: progress.update(task, description=f"{label} {s}"))
             progress.advance(task)
-    info["load_average_after"] = _load_average()
+    info["load_average_after"] = load_average()
     targets = evaluate_targets(results, peaks)
     header, rows = table_rows(results, peaks, methods)
     table = Table(title="treeattn CPU benchmark (ms; (x) = treeattn speedup)")

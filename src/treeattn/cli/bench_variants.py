@@ -24,7 +24,7 @@ from .. import ops
 from ..plan import TreeAttentionPlan
 from ..testing import Request, make_batch, random_tree
 from ..tree import ancestor_mask
-from .bench_cpu import machine_info
+from .machine import machine_info
 
 T, H_Q, H_KV, D = 64, 32, 8, 128
 PREFIXES = (4096, 16384)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import platform
 
+import torch
+
 # (vendor, family, first model, last model) -> core; the x86 family/model numbers the vendors publish.
 _CORES = [
     ("AuthenticAMD", 0x17, 0x00, 0xFF, "Zen / Zen 2"),
@@ -63,3 +65,24 @@ def describe_cpu() -> str:
     name = fields.get("model name") or platform.processor() or platform.machine()
     details = "; ".join(part for part in (core_name(fields), ", ".join(isa_flags(fields))) if part)
     return f"{name}{f' ({details})' if details else ''}, {os.cpu_count()} cores"
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load average: other processes on the machine make every number slower."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info() -> dict:
+    """What a results file records of the machine: the CPU (name and core), its ISA flags, cores, torch's
+    threads and build, and the load average now (``load_average_before``)."""
+    fields = cpuinfo()
+    flags = set(fields.get("flags", "").split())
+    isa = [name for name in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16") if name in flags]
+    name, core = fields.get("model name") or platform.processor() or platform.machine(), core_name(fields)
+    return {"cpu": f"{name} ({core})" if core else name, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "load_average_before": load_average(),
+            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "isa": isa, "python": platform.python_version()}

@@ -352,8 +352,8 @@ class PagedKVCache:
             if self.num_q_heads is not None:  # the backends' per-step host work, now rather than in layer 0
                 for plan in (step.paged, step.ragged):
                     if plan is not None:
-                        plan.prepare(num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                                     head_dim=self.head_dim, dtype=self.dtype, backend=self.backend)
+                        ops.prepare_plan(plan, num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                         head_dim=self.head_dim, dtype=self.dtype, backend=self.backend)
         except BaseException:
             self._pool.release(fresh)
             raise
