@@ -66,11 +66,27 @@ struct V {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }
+  // exp2 for x <= 0 (or -inf) to 3e-6 relative, for probabilities rounded to 16 bits (see kernel_avx512.cpp).
+  static inline T exp2_16(T x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
+    const __m256 whole = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, whole);
+    __m256 poly = _mm256_set1_ps(9.57009568810463e-3f);
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(5.591785907745361e-2f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(2.40247443318367e-1f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(6.931217908859253e-1f));
+    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(9.999992847442627e-1f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
+  }
+  // kernel_avx512.cpp's exp pass with one-instruction bf16 rounding: AVX2 has none.
+  static inline bool exp_row_bf16(const float*, int64_t, T, T, uint16_t*, T&) { return false; }
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
   static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
   static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
   static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
+  static void store_bf16_finite(uint16_t* dst, T x);
   static void store_f16(uint16_t* dst, T x);
 };
 
@@ -100,6 +116,14 @@ inline void V::store_bf16(uint16_t* dst, T x) {  // as float_to_bf16: round to n
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
   r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
                          _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));  // NaN stays NaN
+  r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(r));
+}
+
+inline void V::store_bf16_finite(uint16_t* dst, T x) {  // store_bf16 for values that are not NaN
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i even = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
   r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(r));
 }

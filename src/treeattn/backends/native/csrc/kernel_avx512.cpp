@@ -42,8 +42,9 @@ struct V {
     const __m512i e = _mm512_loadu_si512(enter);
     return from_mask(_mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(hi)));
   }
-  static inline T exp2(T x) {  // the 8-lane paths' polynomial (kernel_avx2.cpp), 16 lanes at a time
-    x = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), x));
+  static inline T exp2(T x) {  // the 8-lane paths' polynomial (kernel_avx2.cpp), scaled by vscalefps:
+    // below -160 the result rounds to exactly 0 (exp2(-inf) = 0: a masked key's probability)
+    x = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-160.0f), x));
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, whole);
     __m512 poly = _mm512_set1_ps(1.535336188319500e-4f);
@@ -53,14 +54,32 @@ struct V {
     poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402264791363012e-1f));
     poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931472028550421e-1f));
     poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(poly, _mm512_castsi512_ps(e));
+    return _mm512_scalef_ps(poly, whole);
   }
+  // exp2 for x <= 0 (or -inf) to 3e-6 relative (a degree-4 fit on [-0.5, 0.5]): probabilities that are
+  // rounded to 16 bits (2^-8 or 2^-11) need no more, and the softmax of 16-bit dtypes spends most of
+  // its time here. Below -160 the result is exactly 0.
+  static inline T exp2_16(T x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);
+    const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, whole);
+    __m512 poly = _mm512_set1_ps(9.57009568810463e-3f);
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.591785907745361e-2f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.40247443318367e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931217908859253e-1f));
+    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.999992847442627e-1f));
+    return _mm512_scalef_ps(poly, whole);
+  }
+  // The softmax's exp pass for bf16 probabilities: dst[i] = bf16(exp2_16(s[i] * unit + shift)), sum += each,
+  // for i < n (a multiple of W). With AVX512-BF16 (every CPU whose bf16 brgemm pays) the rounding is one
+  // instruction (exp_row_bf16_native); false where the CPU lacks it: the caller rounds with integer ops.
+  static bool exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& sum);
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
   static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
   static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
   static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
+  static void store_bf16_finite(uint16_t* dst, T x);
   static void store_f16(uint16_t* dst, T x);
 };
 
@@ -91,6 +110,29 @@ inline void V::store_bf16(uint16_t* dst, T x) {  // as float_to_bf16: round to n
                                             _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
                                             _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+
+__attribute__((target("avx512bf16"))) static void exp_row_bf16_native(const float* s, int64_t n, __m512 unit,
+                                                                       __m512 shift, uint16_t* dst, __m512& sum) {
+  __m512 acc = sum;
+  for (int64_t i = 0; i < n; i += V::W) {
+    const __m512 e = V::exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), unit, shift));
+    acc = _mm512_add_ps(acc, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  sum = acc;
+}
+
+bool V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& sum) {
+  static const bool native = __builtin_cpu_supports("avx512bf16");
+  if (native) exp_row_bf16_native(s, n, unit, shift, dst, sum);
+  return native;
+}
+
+inline void V::store_bf16_finite(uint16_t* dst, T x) {  // store_bf16 for values that are not NaN
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, even), 16)));
 }
 
 inline void V::store_f16(uint16_t* dst, T x) {

@@ -137,8 +137,11 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   int32_t* wlo = reinterpret_cast<int32_t*>(take(BT));  //   and wlo[i] <= row_lo[r] < whi[i]
   int32_t* whi = reinterpret_cast<int32_t*>(take(BT));
   float* orow = take(dv);
-  const char* kr[BT];
-  const char* vr[BT];
+  const char* rows_a[4][BT];  // K and V rows of this tile and of the next one (swapped per tile)
+  const char** kr = rows_a[0];
+  const char** vr = rows_a[1];
+  const char** next_k = rows_a[2];
+  const char** next_v = rows_a[3];
   int64_t bad[BT];  // keys of a masked tile whose V row is not finite
 
   // Q rows as stored (padding: zero rows and columns); each row's tree entry and window start.
@@ -173,19 +176,26 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   const int64_t* depth = p.node_depth ? p.node_depth + p.tree_starts[b] : nullptr;
   const typename V::T cap = V::set1(p.cap2), scale = V::set1(p.q_scale), minus_inf = V::set1(-__builtin_inff());
-  for (int64_t j0 = it.c0; j0 < it.c1; j0 += BT) {
-    const int64_t count = imin(BT, it.c1 - j0), padded = (count + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+  // The K and V rows of the tile at key j0 (count keys): token-major rows that no hardware prefetcher
+  // follows, so the next tile's rows are prefetched into L2 a few at a time during this tile's softmax
+  // (all at once, the prefetches would stall on the core's fill buffers).
+  auto locate = [&](int64_t j0, const char** ko, const char** vo) {
+    const int64_t count = j0 < it.c1 ? imin(BT, it.c1 - j0) : 0;
     for (int64_t i = 0; i < count; ++i) {
-      kr[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
-      vr[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
-      if (j0 + BT + i < it.c1) {  // the next tile's rows, into L2: a token-major stride the prefetchers miss
-        const int64_t next = j0 + BT + i;
-        const char* nk = static_cast<const char*>(p.k) + key_offset(p, b, next, p.k_page, p.k_tok, p.k_head, it.h) * esize;
-        const char* nv = static_cast<const char*>(p.v) + key_offset(p, b, next, p.v_page, p.v_tok, p.v_head, it.h) * esize;
-        for (int64_t c = 0; c < d * esize; c += 64) __builtin_prefetch(nk + c, 0, 2);
-        for (int64_t c = 0; c < dv * esize; c += 64) __builtin_prefetch(nv + c, 0, 2);
-      }
+      ko[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
+      vo[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
     }
+    return count;
+  };
+  auto prefetch = [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      for (int64_t c = 0; c < d * esize; c += 64) __builtin_prefetch(next_k[i] + c, 0, 2);
+      for (int64_t c = 0; c < dv * esize; c += 64) __builtin_prefetch(next_v[i] + c, 0, 2);
+    }
+  };
+  int64_t count = locate(it.c0, kr, vr);
+  for (int64_t j0 = it.c0; j0 < it.c1; j0 += BT) {
+    const int64_t padded = (count + KEY_TILE - 1) / KEY_TILE * KEY_TILE, next_count = locate(j0 + BT, next_k, next_v);
     pack_kt(kr, count, padded, words, !wide && (d % 2), kt);
     if (!wide && !p.b_pairs) unpair_kt(words, padded, kt);
     pack_v(vr, count, padded, dv, p.dtype, p.b_pairs, vt);
@@ -240,17 +250,32 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       const typename V::T vshift = V::set1(-shift), vunit = V::set1(unit);
       typename V::T sum = V::zero();
       uint16_t* pr = pa + r * BT;
-      for (int64_t i = 0; i < padded; i += V::W) {
-        const typename V::T e = V::exp2(V::fma(V::load(sr + i), vunit, vshift));
-        sum = V::add(sum, e);
-        if (p.dtype == BF16) V::store_bf16(pr + i, e);
-        else if (p.dtype == F16) V::store_f16(pr + i, e);
-        else V::store(sr + i, e);
+      auto exp_pass = [&](auto store) {  // one loop per dtype: no branch per vector
+        for (int64_t i = 0; i < padded; i += V::W) {
+          const typename V::T x = V::fma(V::load(sr + i), vunit, vshift);
+          const typename V::T e = wide ? V::exp2(x) : V::exp2_16(x);
+          sum = V::add(sum, e);
+          store(i, e);
+        }
+      };
+      // bf16 P is rounded without the NaN case (fewer instructions); a NaN probability (a NaN score) makes
+      // the row's sum NaN, and that row is rounded again with it.
+      if (p.dtype == BF16) {
+        if (!V::exp_row_bf16(sr, padded, vunit, vshift, pr, sum))
+          exp_pass([&](int64_t i, typename V::T e) { V::store_bf16_finite(pr + i, e); });
       }
+      else if (p.dtype == F16) exp_pass([&](int64_t i, typename V::T e) { V::store_f16(pr + i, e); });
+      else exp_pass([&](int64_t i, typename V::T e) { V::store(sr + i, e); });
+      const float total = V::reduce_add(sum);
+      if (p.dtype == BF16 && total != total) {
+        sum = V::zero();
+        exp_pass([&](int64_t i, typename V::T e) { V::store_bf16(pr + i, e); });
+      }
+      prefetch(r * next_count / rows, (r + 1) * next_count / rows);
       float lanes[V::W];
       V::store(lanes, V::exp2(V::set1(m[r] - shift)));
       const float alpha = lanes[0];
-      l[r] = l[r] * alpha + V::reduce_add(sum);
+      l[r] = l[r] * alpha + total;
       m[r] = fresh;
       if (alpha != 1.0f) {
         float* orr = o + r * dv;
@@ -270,6 +295,9 @@ static void run(const Problem& p, const Item& it, float* scratch) {
         for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += pr * orow[c];
       }
     }
+    const char** k_done = kr;
+    const char** v_done = vr;
+    kr = next_k, vr = next_v, next_k = k_done, next_v = v_done, count = next_count;
   }
 
   // Normalise and write: the final output, or this chunk's partial result.

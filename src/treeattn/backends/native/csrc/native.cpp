@@ -170,7 +170,8 @@ void merge_group(const Problem& p, const Group& g, std::vector<float>& w) {
 void run(const Problem& p, int64_t batch, const std::string& isa) {
   const ItemFn fn = item_fn(isa);
   const bool brg = is_brgemm(isa);
-  const int64_t threads = at::get_num_threads(), block = std::max<int64_t>(1, ROW_BLOCK / p.group);
+  const int64_t threads = at::get_num_threads();
+  const int64_t block = std::max<int64_t>(1, (brg ? BRGEMM_ROW_BLOCK : ROW_BLOCK) / p.group);
   std::vector<Group> groups;
   double flops = 0, keys = 0;
   int64_t max_rows = 0;

@@ -78,6 +78,9 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
 // every buffer aligned to 64 bytes (ALIGN floats of slack for each of its 15 buffers and the start).
 constexpr int64_t ALIGN = 16;
 constexpr int64_t BRGEMM_TILE = 256;
+// Query rows per brgemm work item: more than the FMA kernel's, since each item packs its key tiles once
+// for all its rows (T 128 x group 4 in one item); S (rows x tile, fp32) stays within L2.
+constexpr int64_t BRGEMM_ROW_BLOCK = 512;
 static inline int64_t brgemm_rows(int64_t rows) { return rows <= 16 ? (rows + 3) / 4 * 4 : (rows + 15) / 16 * 16; }
 static inline int64_t brgemm_scratch_floats(const Problem& p, int64_t rows) {
   const int64_t mp = brgemm_rows(rows), dp = (p.d + 1) / 2 * 2;

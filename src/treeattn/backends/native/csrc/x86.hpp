@@ -26,6 +26,13 @@ static inline void transpose8x8(const char* const* rows, int64_t off, uint32_t* 
 // dst[2i] = a[i], dst[2i + 1] = b[i] for i < n 16-bit values (b null: zeros): one VNNI row pair.
 static inline void interleave16(const char* a, const char* b, uint16_t* dst, int64_t n) {
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // unpack works within 128-bit lanes: lo holds pairs 0-3 | 8-11, hi 4-7 | 12-15
+    const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2 * i));
+    const __m256i vb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * i)) : _mm256_setzero_si256();
+    const __m256i lo = _mm256_unpacklo_epi16(va, vb), hi = _mm256_unpackhi_epi16(va, vb);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * i + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
   for (; i + 8 <= n; i += 8) {
     const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2 * i));
     const __m128i vb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 * i)) : _mm_setzero_si128();
