@@ -52,17 +52,16 @@ struct V {
     const __m256i lt = _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), e);
     return _mm256_castsi256_ps(_mm256_and_si256(ge, lt));
   }
+  static inline T horner(T f, const float* c, int n) {  // c[0] f^(n-1) + ... + c[n-1]
+    T poly = set1(c[0]);
+    for (int i = 1; i < n; ++i) poly = fma(poly, f, set1(c[i]));
+    return poly;
+  }
   static inline T exp2(T x) {  // Cephes' exp2f polynomial on x - round(x); exp2(-inf) = 0, NaN stays NaN
     x = _mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), x));
     const __m256 whole = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, whole);
-    __m256 poly = _mm256_set1_ps(1.535336188319500e-4f);
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(1.339887440266574e-3f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(9.618437357674640e-3f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(5.550332471162809e-2f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(2.402264791363012e-1f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(6.931472028550421e-1f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(1.0f));
+    const __m256 poly = horner(f, EXP2_POLY, 7);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }
@@ -71,11 +70,7 @@ struct V {
     x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
     const __m256 whole = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, whole);
-    __m256 poly = _mm256_set1_ps(9.57009568810463e-3f);
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(5.591785907745361e-2f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(2.40247443318367e-1f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(6.931217908859253e-1f));
-    poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(9.999992847442627e-1f));
+    const __m256 poly = horner(f, EXP2_POLY_16, 5);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }

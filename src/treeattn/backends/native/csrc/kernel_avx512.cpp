@@ -42,18 +42,17 @@ struct V {
     const __m512i e = _mm512_loadu_si512(enter);
     return from_mask(_mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(hi)));
   }
+  static inline T horner(T f, const float* c, int n) {  // c[0] f^(n-1) + ... + c[n-1]
+    T poly = set1(c[0]);
+    for (int i = 1; i < n; ++i) poly = fma(poly, f, set1(c[i]));
+    return poly;
+  }
   static inline T exp2(T x) {  // the 8-lane paths' polynomial (kernel_avx2.cpp), scaled by vscalefps:
     // below -160 the result rounds to exactly 0 (exp2(-inf) = 0: a masked key's probability)
     x = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-160.0f), x));
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, whole);
-    __m512 poly = _mm512_set1_ps(1.535336188319500e-4f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.339887440266574e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618437357674640e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.550332471162809e-2f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402264791363012e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931472028550421e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+    const __m512 poly = horner(f, EXP2_POLY, 7);
     return _mm512_scalef_ps(poly, whole);
   }
   // exp2 for x <= 0 (or -inf) to 3e-6 relative (a degree-4 fit on [-0.5, 0.5]): probabilities that are
@@ -63,11 +62,7 @@ struct V {
     x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, whole);
-    __m512 poly = _mm512_set1_ps(9.57009568810463e-3f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.591785907745361e-2f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.40247443318367e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931217908859253e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.999992847442627e-1f));
+    const __m512 poly = horner(f, EXP2_POLY_16, 5);
     return _mm512_scalef_ps(poly, whole);
   }
   // The softmax's exp pass for bf16 probabilities: dst[i] = bf16(exp2_16(s[i] * unit + shift)), sum += each,

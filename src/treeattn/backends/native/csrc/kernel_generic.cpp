@@ -10,16 +10,12 @@ static inline float exp2_one(float x) {
   if (x != x) return x;
   x = x < -127.0f ? -127.0f : (x > 127.0f ? 127.0f : x);
   const float whole = __builtin_rintf(x), f = x - whole;
-  float poly = 1.535336188319500e-4f;
-  poly = poly * f + 1.339887440266574e-3f;
-  poly = poly * f + 9.618437357674640e-3f;
-  poly = poly * f + 5.550332471162809e-2f;
-  poly = poly * f + 2.402264791363012e-1f;
-  poly = poly * f + 6.931472028550421e-1f;
+  float poly = EXP2_POLY[0];
+  for (int i = 1; i < 7; ++i) poly = poly * f + EXP2_POLY[i];
   const uint32_t bits = uint32_t(int32_t(whole) + 127) << 23;
   float scale;
   __builtin_memcpy(&scale, &bits, 4);
-  return (poly * f + 1.0f) * scale;
+  return poly * scale;
 }
 
 struct V {

@@ -19,6 +19,13 @@ constexpr int64_t ROW_BLOCK = 256;
 constexpr int64_t MAX_LANES = 16;
 constexpr int64_t KEY_PAD = 4;
 
+// exp2's polynomials in f = x - round(x), on [-0.5, 0.5], highest degree first: Cephes' exp2f (2e-7
+// relative: fp32 probabilities) and a degree-4 fit (3e-6: probabilities rounded to 16 bits).
+constexpr float EXP2_POLY[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                               5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+constexpr float EXP2_POLY_16[] = {9.57009568810463e-3f, 5.591785907745361e-2f, 2.40247443318367e-1f,
+                                  6.931217908859253e-1f, 9.999992847442627e-1f};
+
 struct Problem {
   int32_t dtype;
   const void* q;  // [total_q, h_q, d], element strides below
