@@ -153,25 +153,31 @@ def test_sixteen_clients_some_gone_finish_as_plain_and_free_every_block(urls, mo
     assert metric(values, "vllm:num_requests_running") == 0 and metric(values, "vllm:kv_cache_usage_perc") == 0
 
 
+def _plainly(urls, model, prompt: str, **sampling) -> str:
+    """The tree server's text for these settings, checked to be the plain server's and drafted for by nothing."""
+    drafts = metric(_drained(urls["trees"]), "vllm:spec_decode_num_drafts_total")
+    ours = _text(urls["trees"], model, prompt, chat=True, stream=False, **sampling)
+    assert metric(_drained(urls["trees"]), "vllm:spec_decode_num_drafts_total") == drafts  # no drafts for it
+    assert ours == _text(urls["plain"], model, prompt, chat=True, stream=False, **sampling)
+    return ours
+
+
 @pytest.mark.parametrize("sampling", [{"presence_penalty": 0.5}, {"frequency_penalty": 0.3},
                                       {"extra_body": {"repetition_penalty": 1.2}}],
                          ids=["presence", "frequency", "repetition"])
 def test_penalties_decode_plainly(urls, model, sampling):
-    drafts = metric(_drained(urls["trees"]), "vllm:spec_decode_num_drafts_total")
-    ours = _text(urls["trees"], model, PROMPTS[0], chat=True, stream=False, **sampling)
-    assert metric(_drained(urls["trees"]), "vllm:spec_decode_num_drafts_total") == drafts  # no drafts for it
-    assert ours == _text(urls["plain"], model, PROMPTS[0], chat=True, stream=False, **sampling)
+    _plainly(urls, model, PROMPTS[0], **sampling)
 
 
-def test_logit_bias_is_refused_as_with_any_vllm_speculation(urls, model):
-    import openai
-
-    # vLLM 0.32 refuses logit_bias and min_p whenever a speculative config is set (chains too), before
-    # the request reaches the engine; the server goes on serving.
-    with pytest.raises(openai.BadRequestError, match="logit_bias sampling parameters are not yet supported"):
-        _text(urls["trees"], model, PROMPTS[0], chat=True, stream=False, logit_bias={"13": -5.0})
-    assert _text(urls["trees"], model, PROMPTS[2], chat=True, stream=False) == _text(
-        urls["plain"], model, PROMPTS[2], chat=True, stream=False)
+def test_logit_bias_and_min_p_are_served_plainly(urls, model):
+    # vLLM refuses both under its own speculation (its rejection sampler cannot apply them); with trees
+    # they are accepted and reach vLLM's sampler: forbidding the answer's first token changes the answer.
+    first = _client(urls["plain"]).chat.completions.create(
+        model=str(model), messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=1, temperature=0.0,
+        logprobs=True, extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs.content[0].token
+    biased = _plainly(urls, model, PROMPTS[0], logit_bias={first.split(":")[1]: -100.0})
+    assert biased != _text(urls["plain"], model, PROMPTS[0], chat=True, stream=False)
+    _plainly(urls, model, PROMPTS[2], temperature=0.8, seed=7, extra_body={"min_p": 0.2})
 
 
 @pytest.mark.parametrize("args, field", [

@@ -17,14 +17,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from treeattn.vllm.speculative import PROPOSER
+
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-TREES = "treeattn.vllm.speculative.TreeProposer"
 
 
 def tree_args(nodes: int, **options) -> list[str]:
     """Server arguments for treeattn's trees of ``nodes`` nodes; ``options``: ``drafter``, ``heads``,
     ``adaptive`` (JSON in vLLM's ``--additional-config``; the server also needs ``TREEATTN_VLLM=1``)."""
-    spec = {"method": "custom_class", "model": TREES, "num_speculative_tokens": nodes - 1}
+    spec = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": nodes - 1}
     args = ["--speculative-config", json.dumps(spec)]
     return args + (["--additional-config", json.dumps({"treeattn": options})] if options else [])
 

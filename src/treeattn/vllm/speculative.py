@@ -34,7 +34,8 @@ the adaptive n-gram drafter. Only a drafter *object* (Python) travels pickled, i
 
 Requests whose sampling depends on the tokens before each position (penalties, bad words, logit
 bias, allowed tokens, min tokens, min-p, structured output) get no drafts and are sampled by vLLM's
-own sampler, so their output is unchanged.
+own sampler, so their output is unchanged. (vLLM refuses min-p and logit bias under any speculation,
+as its rejection sampler cannot apply them; with trees they are accepted and served plainly.)
 
 Points 2-4 have no extension point in vLLM 0.32: ``TreeProposer`` wraps three methods of vLLM's
 ``GPUModelRunner`` (which its CPU runner inherits), ``_prepare_inputs``, ``propose_draft_token_ids``
@@ -66,14 +67,15 @@ from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
 from .batch import move_tokens
 
-__all__ = ["ADDITIONAL_CONFIG_KEY", "DRAFTER_ENV_VAR", "TREES_ENV_VAR", "VLLM_VERSION", "DrafterByName", "TreeOptions",
-           "TreeProposer", "configured_drafter", "plain_decoding_reason", "step_trees", "tree_options",
-           "tree_speculative_config"]
+__all__ = ["ADDITIONAL_CONFIG_KEY", "DRAFTER_ENV_VAR", "PROPOSER", "TREES_ENV_VAR", "VLLM_VERSION", "DrafterByName",
+           "TreeOptions", "TreeProposer", "configured_drafter", "install_sampling_params_hook", "plain_decoding_reason",
+           "step_trees", "tree_options", "tree_speculative_config"]
 
 VLLM_VERSION = "0.32.0"
 # The pickled drafter for vLLM's worker processes: base64 inline, or "file:PATH" for a large one (a
 # local file: workers on other machines, e.g. a Ray cluster, cannot read it).
 DRAFTER_ENV_VAR = "TREEATTN_VLLM_DRAFTER"
+PROPOSER = f"{__name__}.TreeProposer"  # what --speculative-config's "model" names
 # The drafter's options as JSON (``TreeOptions``' fields), for a server's environment or vllm.LLM.
 TREES_ENV_VAR = "TREEATTN_VLLM_TREES"
 # The same options under this key of vLLM's ``additional_config`` (``--additional-config``, config files).
@@ -128,7 +130,7 @@ def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram"
         shared = _share(drafter)
         os.environ.pop(TREES_ENV_VAR, None)
         os.environ[DRAFTER_ENV_VAR] = shared
-    return {"method": "custom_class", "model": f"{__name__}.TreeProposer", "num_speculative_tokens": int(nodes) - 1}
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(nodes) - 1}
 
 
 @dataclass(frozen=True)
@@ -323,6 +325,7 @@ class TreeProposer:
         self._binding = drafter if callable(getattr(drafter, "bind", None)) else None
         self._setup(drafter, nodes)
         _install_runner_hooks()
+        _install_logitsprocs_hook()
 
     def _setup(self, drafter: Drafter, nodes: int) -> None:
         if isinstance(drafter, AdaptiveDrafter) and drafter.gate is None:
@@ -472,6 +475,51 @@ def _commit(step: _Step, paths: list[list[int]], kv_caches: list[torch.Tensor]) 
 
 
 # ---------------------------------------------------------------------------------------------- vLLM hooks
+
+
+def _is_trees(speculative_config) -> bool:
+    return getattr(speculative_config, "method", None) == "custom_class" and speculative_config.model == PROPOSER
+
+
+def install_sampling_params_hook() -> None:
+    """Let min_p and logit_bias through with tree speculation (the plugin runs this in every vLLM process).
+
+    vLLM refuses them whenever speculation is on, since its rejection sampler cannot apply them.
+    Trees never draft for such requests (``plain_decoding_reason``): vLLM's own sampler decodes them,
+    with the processors ``_install_logitsprocs_hook`` builds."""
+    from vllm.sampling_params import SamplingParams
+
+    validate = SamplingParams._validate_spec_decode
+    if getattr(validate, "_treeattn", False):
+        return
+
+    @functools.wraps(validate)
+    def _validate_spec_decode(self, speculative_config):
+        if not _is_trees(speculative_config):
+            validate(self, speculative_config)
+
+    _validate_spec_decode._treeattn = True
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+def _install_logitsprocs_hook() -> None:
+    """vLLM builds no min_p and logit_bias processors when speculation is on; with trees its sampler
+    runs the requests that use them (plainly), so the runner gets the processors it has without speculation."""
+    from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+    from vllm.v1.worker import gpu_model_runner
+
+    build = gpu_model_runner.build_logitsprocs
+    if getattr(build, "_treeattn", False):
+        return
+
+    @functools.wraps(build)
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
+        if is_pooling_model or custom_logitsprocs or not _is_trees(vllm_config.speculative_config):
+            return build(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    build_logitsprocs._treeattn = True
+    gpu_model_runner.build_logitsprocs = build_logitsprocs
 
 
 def _install_runner_hooks() -> None:
