@@ -166,7 +166,26 @@ def table(results: dict) -> str:
                              f"{s['ttft ms']:.0f} | {tpot} | {step} | {'yes' if s['same'] else '**no**'} | "
                              f"{s['load']:.1f} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + targets(results["cells"]))
+
+
+def targets(cells: dict) -> list[str]:
+    """The issue's targets for ``trees auto``, each cell that misses one named."""
+    misses = {"trees >= plain": [], "trees >= 1.3x plain at concurrency 1 on the demo's prompts": [],
+              "trees >= chain n-gram": []}
+    for key, cell in cells.items():
+        if "trees auto" not in cell:
+            continue
+        group, concurrency, stream = key.split("|")
+        trees, where = cell["trees auto"]["tokens/s"], f"{group}, concurrency {concurrency}, stream {stream}"
+        if trees < cell["plain"]["tokens/s"]:
+            misses["trees >= plain"].append(f"{where} ({trees / cell['plain']['tokens/s']:.2f}x)")
+        if group == "demo" and concurrency == "1" and trees < 1.3 * cell["plain"]["tokens/s"]:
+            misses["trees >= 1.3x plain at concurrency 1 on the demo's prompts"].append(where)
+        if "chain ngram 5" in cell and trees < cell["chain ngram 5"]["tokens/s"]:
+            misses["trees >= chain n-gram"].append(where)
+    return ["**Targets**", ""] + [f"- {target}: {'met' if not missed else 'missed in ' + '; '.join(missed)}"
+                                  for target, missed in misses.items()] + [""]
 
 
 def main() -> None:
