@@ -130,6 +130,18 @@ def test_gqa_groups_and_head_dims(isa, group, head_dim):
                               torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("head_dim", [17, 66, 129])
+def test_16_bit_head_dims_odd_and_uneven(isa, dtype, head_dim):
+    """16-bit K rows of an odd head dim end in half a 32-bit word: the brgemm paths pack K^T in word pairs
+    (VNNI) or in plain rows (fp16 on AVX512-FP16) and must pad that half with zero."""
+    skip_unless_checked(NativeBackend(isa=isa), dtype)
+    batch = make_batch([Request(binary(13), prefix=300), Request(chain(5), prefix=3, qo=2)], h_q=4, h_kv=2,
+                       d=head_dim, dtype=dtype, seed=head_dim)
+    assert_close_to_reference(*native(batch, isa, sm_scale=head_dim**-0.5), *reference(batch, head_dim**-0.5), dtype)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
