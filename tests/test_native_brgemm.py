@@ -122,12 +122,15 @@ def run_python(code: str, env: dict[str, str], timeout: float) -> subprocess.Com
 
 
 @pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
-@pytest.mark.parametrize("cap", ["AVX2", "AVX512_CORE"])
+@pytest.mark.parametrize("cap", ["AVX2", "AVX512_CORE", "AVX512_CORE_BF16"])
 def test_brgemm_paths_under_a_capped_onednn(cap):
-    """oneDNN capped to a lower ISA (the paths a smaller CPU runs): every brgemm path and dtype either
-    passes the suite's cases against the float64 reference or is switched off by its check and skipped."""
-    if cap == "AVX512_CORE" and not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS:
+    """oneDNN capped to a lower ISA (the paths a smaller CPU runs: AVX2 as a Zen 3, AVX512_CORE_BF16 as a
+    Zen 4, whose bf16 kernels are not AMX's): every brgemm path and dtype either passes the suite's cases
+    against the float64 reference or is switched off by its check and skipped."""
+    if cap.startswith("AVX512_CORE") and not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS:
         pytest.skip("this CPU has no AVX-512")
+    if cap == "AVX512_CORE_BF16" and "avx512_bf16" not in FLAGS:
+        pytest.skip("this CPU has no AVX512-BF16")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
                              "brgemm and (mixed_batch or variants_every_path or split)",
                              "tests/test_native.py", "tests/test_native_variants.py"],
