@@ -53,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml
 
 # treeattn inside vLLM (tests marked `vllm`; they skip in the main venv).
 test-vllm: $(VLLM_STAMP)
-	$(call say,pytest: the vLLM suite (about 10-15 minutes: each test starts vLLM engines))
+	$(call say,pytest: the vLLM suite (about 15-20 minutes: each test starts vLLM engines or servers))
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_server.py tests/test_readme.py
 
 lint: $(STAMP)
