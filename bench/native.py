@@ -38,8 +38,9 @@ LABEL = {"native": "native", "native-paged": "native paged", "treeattn": "cpu ba
 def measure_peaks(threads: int, best_of: dict[str, float] | None = None) -> dict[str, float]:
     """This CPU's peaks in GFLOP/s on ``threads`` threads, measured by the kernel's own loops: the FMA
     kernel's (``fma``) and oneDNN's brgemm micro-kernel per dtype (absent where it has none); the best of
-    5 runs each, and of ``best_of`` (an earlier measurement: the run measures before and after its cells,
-    since a machine shared with other work lowers a peak more than the kernels' ratios)."""
+    5 runs each, and of ``best_of`` (an earlier measurement). The run measures before its cells and after
+    each one and keeps the highest: on the machines here the AMX rate itself drifted by 2x over minutes
+    (one core: 460-1335 GFLOP/s), so a peak read once could sit below what the cells ran at."""
     module = EXTENSION.module()
     fma = "fma-avx512" if "avx512" in NativeBackend().isas() else "fma-avx2"
     peaks = {"fma": max(module.peak(fma, 200_000, threads) for _ in range(5))}
@@ -124,9 +125,9 @@ def main() -> int:
                 cell["gflops"] = next(r.gflops for r in results if r.method == "native")
                 cell["max_abs_diff"] = max(r.max_abs_diff or 0.0 for r in results)
                 rows[(dtype, t, prefix)] = cell
+                peaks = measure_peaks(args.threads, best_of=peaks)
                 print(f"{dtype} T={t:<3} P={prefix:<5} " + "  ".join(f"{LABEL[m]} {cell[m]:.3f} ms" for m in METHODS)
                       + f"  native {cell['gflops']:.1f} GFLOP/s", flush=True)
-    peaks = measure_peaks(args.threads, best_of=peaks)
     info["load_average_after"] = load_average()
     met = targets(rows, peaks, paths)
     name = "native" if (args.threads, args.clock) == (torch.get_num_threads(), "wall") and args.threads == 2 \
@@ -139,7 +140,7 @@ def main() -> int:
              f"Load average (1/5/15 min) before {info['load_average_before']}, after {info['load_average_after']}"
              " (other processes shared the cores: compare ratios within a run, not absolute times).",
              f"Clock: {args.clock}; median of {args.repeats} interleaved rounds. Peaks measured in this run by the "
-             f"kernel's own loops on {args.threads} thread(s), best of before and after the cells: "
+             f"kernel's own loops on {args.threads} thread(s), the best of before and after every cell: "
              + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peaks.items())
              + " (fma: the FMA kernel's vectors; brgemm-*: oneDNN's micro-kernel, 256 x 256 x 128 in cache).",
              "One request, h_q 32 / h_kv 8, d 128, random tree of T nodes after P prefix tokens; ragged token-major "

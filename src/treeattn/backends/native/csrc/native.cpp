@@ -406,7 +406,8 @@ void merge_state(const at::Tensor& a, const at::Tensor& la, const at::Tensor& b,
 
 // This CPU's peak in GFLOP/s on `threads` threads (0: at::get_num_threads()), measured now: "fma-avx512" /
 // "fma-avx2" (independent FMAs on 16 / 8 lanes), or "brgemm-fp32" / "brgemm-bf16" / "brgemm-fp16" (oneDNN's
-// micro-kernel on the brgemm path's QK^T shape at T 64, group 4, d 128: 256 x 256 x 128, operands in cache).
+// micro-kernel on the brgemm path's QK^T shape at T 64, group 4, d 128: 256 x 256 x 128, operands in cache,
+// its fastest of the kernel's shapes measured on a Sapphire Rapids).
 // Each thread runs `iters` rounds; throws where the kind is not available.
 double peak(const std::string& kind, int64_t iters, int64_t threads) {
   if (threads <= 0) threads = at::get_num_threads();
@@ -429,7 +430,8 @@ double peak(const std::string& kind, int64_t iters, int64_t threads) {
     std::vector<uint16_t> a(M * K * halves, dtype == F32 ? 0 : 0x3f00), b(K * N * halves, dtype == F32 ? 0 : 0x3f00);
     std::vector<float> c(M * N, 0.0f);
     Release release{true, dtype};
-    for (int64_t i = 0; i < iters; ++i) brgemm(dtype, M, N, K, K, N, N, i > 0, a.data(), b.data(), c.data());
+    // C overwritten, not accumulated: with add_C the 256 KB of C moving through L2 held AMX to 0.6x its rate
+    for (int64_t i = 0; i < iters; ++i) brgemm(dtype, M, N, K, K, N, N, false, a.data(), b.data(), c.data());
     sink = sink + c[0];
   };
   auto all = [&]() {
