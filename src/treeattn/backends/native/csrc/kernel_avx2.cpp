@@ -78,8 +78,6 @@ struct V {
   static inline bool exp_row_bf16(const float*, int64_t, T, T, uint16_t*, T&) { return false; }
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
-  static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
-  static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
   static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
   static void store_bf16_finite(uint16_t* dst, T x);
   static void store_f16(uint16_t* dst, T x);
@@ -125,18 +123,6 @@ inline void V::store_bf16_finite(uint16_t* dst, T x) {  // store_bf16 for values
 
 inline void V::store_f16(uint16_t* dst, T x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-}
-
-void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store_bf16(dst + i, load(src + i));
-  for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
-}
-
-void V::narrow_f16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store_f16(dst + i, load(src + i));
-  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 }  // namespace avx2

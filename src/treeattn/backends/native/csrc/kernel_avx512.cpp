@@ -72,8 +72,6 @@ struct V {
   static bool exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& sum);
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
-  static void narrow_bf16(const float* src, uint16_t* dst, int64_t n);
-  static void narrow_f16(const float* src, uint16_t* dst, int64_t n);
   static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
   static void store_bf16_finite(uint16_t* dst, T x);
   static void store_f16(uint16_t* dst, T x);
@@ -133,18 +131,6 @@ inline void V::store_bf16_finite(uint16_t* dst, T x) {  // store_bf16 for values
 
 inline void V::store_f16(uint16_t* dst, T x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-void V::narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store_bf16(dst + i, load(src + i));
-  for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
-}
-
-void V::narrow_f16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store_f16(dst + i, load(src + i));
-  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
 }  // namespace avx512
