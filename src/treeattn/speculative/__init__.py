@@ -5,7 +5,9 @@ tree (``NGramDrafter``, ``SuffixDrafter``, ``HeadDrafter``) expected to pay for 
 """
 
 from .adaptive import AdaptiveDrafter, Candidates, CostModel, LearningDrafter, ScoringDrafter
+from .checkpoints import DraftTarget, load_draft_head
 from .drafters import CandidateSource, Drafter, MedusaHeads, NGramDrafter, StaticTreeDrafter
+from .eagle import Eagle3Head, EagleHead, HeadConfig, HeadKVCache, HeadOutput
 from .generate import GenerationResult, generate
 from .heads import DraftHeads, HeadDrafter
 from .model import ModelOutput, TreeModel
@@ -18,10 +20,16 @@ __all__ = [
     "Candidates",
     "CostModel",
     "DraftHeads",
+    "DraftTarget",
     "DraftTree",
     "Drafter",
+    "Eagle3Head",
+    "EagleHead",
     "GenerationResult",
+    "HeadConfig",
     "HeadDrafter",
+    "HeadKVCache",
+    "HeadOutput",
     "LearningDrafter",
     "MedusaHeads",
     "ModelOutput",
@@ -33,6 +41,7 @@ __all__ = [
     "TreeModel",
     "VerifyResult",
     "generate",
+    "load_draft_head",
     "target_probs",
     "verify",
     "verify_greedy",
