@@ -464,6 +464,20 @@ def test_eagle1_checkpoint_round_trip(tmp_path, fmt, embed):
         load_draft_head(folder, target=target_for(source, hidden_size=16))
 
 
+def test_nested_and_transformers5_configs(tmp_path):
+    """vLLM's EAGLEConfig nests the draft's config under "model"; transformers 5 writes rope_parameters."""
+    source = eagle1(seed=31)
+    llama3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    fields = {k: v for k, v in llama_fields(source.config).items() if k != "rope_theta"}
+    config = {"model_type": "eagle", "architectures": ["EagleLlamaForCausalLM"],
+              "model": {**fields, "architectures": ["LlamaForCausalLM"], "rope_parameters": llama3}}
+    folder = write(tmp_path / "nested", config, eagle1_tensors(source, embed=True))
+    head = load_draft_head(folder, target=target_for(source))
+    assert head.config.rope_theta == 500.0 and head.config.rope_scaling["rope_type"] == "llama3"
+    assert head.config.hidden_size == H and not head.config.qkv_bias
+
+
 def medusa_source(num_heads=3, num_layers=2, seed=40):
     heads = MedusaHeads(H, V, num_heads=num_heads, num_layers=num_layers)
     randomize(heads, seed)

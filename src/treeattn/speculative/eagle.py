@@ -20,7 +20,8 @@ next token is scored. They differ in what they read and how they score:
 
 **Aux layers (EAGLE-3).** ``aux_layers`` are *boundary* indices: boundary ``i`` is the residual stream
 entering decoder layer ``i`` (the output of layer ``i - 1``; 0 is the embeddings, ``N`` the last
-layer's output before the final norm), i.e. HF's ``output_hidden_states[i]`` for ``i < N``. The
+layer's output before the final norm), i.e. HF's ``output_hidden_states[i]`` for ``i < N`` (HF's
+``[N]`` is after the final norm: boundary ``N`` needs a hook on the last layer). The
 default is ``(2, N // 2, N - 3)`` (EAGLE's ``modeling_llama_kv.py``, vLLM's
 ``get_eagle3_default_aux_hidden_state_layers``, SGLang's default), and features are concatenated in
 ascending boundary order, as all three capture them in their layer loops.
