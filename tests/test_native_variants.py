@@ -42,9 +42,13 @@ def test_ragged_variants_every_path(isa, dtype, variant):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_paged_variants_every_layout(isa, page_size):
-    batch = make_batch(REQUESTS, h_q=4, h_kv=2, d=16, seed=page_size, page_size=page_size)
+    check_paged_variants(make_batch(REQUESTS, h_q=4, h_kv=2, d=16, seed=page_size, page_size=page_size), isa, page_size)
+
+
+def check_paged_variants(batch, isa: str, page_size: int) -> None:
+    """A window shorter than the trees, and window + soft-cap + sinks, over every paged layout of ``batch``."""
     for variant in ("window 3 (< tree depth)", "window + softcap + sinks"):
-        kw = _kwargs(VARIANTS[variant], 4, page_size)
+        kw = _kwargs(VARIANTS[variant], batch.q.shape[1], page_size)
         want = reference(batch, **kw)
         for kv in layouts(batch).values():
             assert_close_to_reference(*native(batch, isa, kv, **kw), *want, torch.float32)

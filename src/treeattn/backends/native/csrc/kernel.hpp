@@ -178,14 +178,6 @@ static void pv_panel(const float* vt, int64_t vs, int64_t dv, const float* p, co
 static inline int64_t panel_vectors(int64_t left) { return left == 1 ? 1 : (left == 2 || left == 4) ? 2 : 3; }
 
 // ------------------------------------------------------------------ the work item
-// Element offset of key j (of request b, KV head h) in K or V.
-static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t page, int64_t tok, int64_t head,
-                                 int64_t h) {
-  if (p.page_size == 0) return (p.kv_starts[b] + j) * tok + h * head;
-  const int64_t id = p.page_indices[p.page_starts[b] + j / p.page_size];
-  return id * page + (j % p.page_size) * tok + h * head;
-}
-
 // Copy `count` key (or value) rows into a contiguous fp32 tile. Even fp32 rows are copied: in the
 // engines' token-major layouts consecutive keys of one head lie h_kv * d apart (4 KiB for 8 heads of
 // 128), so reading them in place makes every tile row alias the same L1 sets; the copy is d
@@ -213,9 +205,12 @@ static void pv_any(bool guard, const float* vt, int64_t vs, int64_t dv, const fl
   else pv_panel<RV, false>(vt, vs, dv, p, mask, count, alpha, ot);
 }
 
+#include "kernel_rows.hpp"
+
 static void run_item(const Problem& p, const Item& it, float* scratch) {
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b;
   const int64_t rows = (it.t1 - it.t0) * group, rp = (rows + V::W - 1) / V::W * V::W, keys = KEY_TILE + KEY_PAD;
+  if (rows <= FEW_ROWS) return run_rows(p, it, scratch);
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
   float* qt = scratch;
   float* s = qt + d * rp;

@@ -40,6 +40,17 @@ struct V {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
   }
+  // Lane i of the result: the sum of a[i]'s lanes (a[W]): 128-bit halves folded pairwise, then sums
+  // within 128-bit blocks ([a0 .. a3 | a4 .. a7]).
+  static inline T sum_lanes(const T* a) {
+    __m256 b[4];
+    for (int i = 0; i < 4; ++i)  // [a[i] folded to 4 lanes | a[i + 4] folded]
+      b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+    const __m256 d0 = _mm256_add_ps(_mm256_unpacklo_ps(b[0], b[1]), _mm256_unpackhi_ps(b[0], b[1]));
+    const __m256 d1 = _mm256_add_ps(_mm256_unpacklo_ps(b[2], b[3]), _mm256_unpackhi_ps(b[2], b[3]));
+    return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(d0), _mm256_castps_pd(d1))),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(d0), _mm256_castps_pd(d1))));
+  }
   static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
     const __m256i v = _mm256_set1_epi32(x);
     const __m256i below = _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)), v);

@@ -34,6 +34,20 @@ struct V {
   static inline T select(T mask, T a, T b) { return _mm512_mask_blend_ps(to_mask(mask), b, a); }
   static inline float reduce_max(T a) { return _mm512_reduce_max_ps(a); }
   static inline float reduce_add(T a) { return _mm512_reduce_add_ps(a); }
+  // Lane i of the result: the sum of a[i]'s lanes (a[W]). Halves, then quarters, are folded pairwise so
+  // that every step adds whole vectors; the last step leaves the 128-bit blocks in order 0, 8, 4, 12.
+  static inline T sum_lanes(const T* a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; ++i)  // [a[i] folded to 8 lanes | a[i + 8] folded]
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xee));
+    for (int i = 0; i < 4; ++i)  // 4 lanes each of a[i], a[i + 8], a[i + 4], a[i + 12]
+      c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xdd));
+    const __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+    const __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    const __m512 e = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(d0), _mm512_castps_pd(d1))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(d0), _mm512_castps_pd(d1))));
+    return _mm512_shuffle_f32x4(e, e, 0xd8);
+  }
   static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
     const __m512i v = _mm512_set1_epi32(x);
     return from_mask(_mm512_cmple_epi32_mask(_mm512_loadu_si512(lo), v) & _mm512_cmplt_epi32_mask(v, _mm512_loadu_si512(hi)));

@@ -51,6 +51,29 @@ struct V {
     for (int i = 0; i < W; ++i) r.x[i] = from(enter[i] >= lo && enter[i] < hi ? 0xffffffffu : 0u);
     return r;
   }
+  static inline T range(const int32_t* lo, const int32_t* hi, int32_t x) {  // lo <= x < hi, lane by lane
+    T r;
+    for (int i = 0; i < W; ++i) r.x[i] = from(lo[i] <= x && x < hi[i] ? 0xffffffffu : 0u);
+    return r;
+  }
+  static inline T sum_lanes(const T* a) {  // lane i: the sum of a[i]'s lanes
+    T r;
+    for (int i = 0; i < W; ++i) {
+      r.x[i] = 0.0f;
+      for (int j = 0; j < W; ++j) r.x[i] += a[i].x[j];
+    }
+    return r;
+  }
+  static inline float reduce_max(T a) {
+    float r = a.x[0];
+    for (int i = 1; i < W; ++i) r = a.x[i] > r ? a.x[i] : r;
+    return r;
+  }
+  static inline float reduce_add(T a) {
+    float r = 0.0f;
+    for (int i = 0; i < W; ++i) r += a.x[i];
+    return r;
+  }
   static inline T exp2(T a) { T r; for (int i = 0; i < W; ++i) r.x[i] = exp2_one(a.x[i]); return r; }
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);

@@ -58,20 +58,24 @@ bool has_avx512() {
 // The kernel paths this CPU can run, best first for 16-bit dtypes: "brgemm-<isa>" runs the two GEMMs of
 // a tile on oneDNN's micro-kernels (whether oneDNN has them for a dtype here is for the caller to check:
 // a call throws where it has none) and the rest on <isa>'s vectors; "<isa>" is the FMA kernel.
-std::vector<std::string> isas() {
-  std::vector<std::string> out;
-  if (has_avx512()) out.push_back("brgemm-avx512");
-  if (has_avx2()) out.push_back("brgemm-avx2");
-  if (has_avx512()) out.push_back("avx512");
-  if (has_avx2()) out.push_back("avx2");
-  out.push_back("generic");
+// Asked once: cpuid traps to the hypervisor in a VM (a decoding step's attention call took 8% longer).
+const std::vector<std::string>& isas() {
+  static const std::vector<std::string> out = [] {
+    std::vector<std::string> names;
+    if (has_avx512()) names.push_back("brgemm-avx512");
+    if (has_avx2()) names.push_back("brgemm-avx2");
+    if (has_avx512()) names.push_back("avx512");
+    if (has_avx2()) names.push_back("avx2");
+    names.push_back("generic");
+    return names;
+  }();
   return out;
 }
 
 bool is_brgemm(const std::string& isa) { return isa.rfind("brgemm-", 0) == 0; }
 
 ItemFn item_fn(const std::string& isa) {
-  const auto names = isas();
+  const auto& names = isas();
   for (const auto& name : names) {
     if (name != isa) continue;
 #if defined(__x86_64__)
@@ -244,7 +248,8 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[groups.size()]);
   for (size_t gi = 0; gi < groups.size(); ++gi) left[gi] = groups[gi].count;
   const int64_t n_items = int64_t(items.size());
-  const int64_t floats = (brg ? brgemm_scratch_floats(p, max_rows) : scratch_floats(p, max_rows)) + MAX_LANES;
+  const int64_t floats = std::max(brg ? brgemm_scratch_floats(p, max_rows) : scratch_floats(p, max_rows),
+                                  few_rows_floats(p, std::min<int64_t>(max_rows, MAX_LANES))) + MAX_LANES;
   auto work = [&](float* scratch, std::vector<float>& weights, int64_t i) {
     fn(p, items[i], scratch);
     const Group& g = groups[owner[i]];
@@ -262,7 +267,13 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
     std::unique_ptr<float[]> scratch(new float[size_t(floats)]);
     std::vector<float> weights;
     Release release{brg, p.dtype};
-    for (int64_t i = next++; i < n_items; i = next++) work(scratch.get(), weights, i);
+    // The next item is claimed before this one runs, and its first keys prefetched meanwhile.
+    for (int64_t i = next++; i < n_items;) {
+      const int64_t following = next++;
+      if (following < n_items) prefetch_tile(p, items[following], items[following].c0);
+      work(scratch.get(), weights, i);
+      i = following;
+    }
   });
 }
 

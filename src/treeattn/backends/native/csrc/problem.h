@@ -69,6 +69,31 @@ struct Item {
 
 constexpr float EMPTY_LSE = -5e4f;
 
+// Element offset of key j (of request b, KV head h) in K or V.
+static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t page, int64_t tok, int64_t head,
+                                 int64_t h) {
+  if (p.page_size == 0) return (p.kv_starts[b] + j) * tok + h * head;
+  const int64_t id = p.page_indices[p.page_starts[b] + j / p.page_size];
+  return id * page + (j % p.page_size) * tok + h * head;
+}
+
+// Prefetches the K and V rows of keys [j0, j0 + KEY_TILE) of item `it` (up to it.c1): the hardware
+// prefetchers stop at every 4 KiB page and lose token-major layouts' strides, so that the misses of a
+// tile would otherwise come one row at a time as the kernel reaches them.
+static inline void prefetch_tile(const Problem& p, const Item& it, int64_t j0) {
+  const int64_t bytes = p.dtype == F32 ? 4 : 2, end = j0 + KEY_TILE < it.c1 ? j0 + KEY_TILE : it.c1;
+  for (int64_t j = j0; j < end;) {  // one page at a time: its rows are evenly spaced
+    const int64_t stop = p.page_size == 0 || (j / p.page_size + 1) * p.page_size > end ? end
+                                                                                       : (j / p.page_size + 1) * p.page_size;
+    const char* k = static_cast<const char*>(p.k) + key_offset(p, it.b, j, p.k_page, p.k_tok, p.k_head, it.h) * bytes;
+    const char* v = static_cast<const char*>(p.v) + key_offset(p, it.b, j, p.v_page, p.v_tok, p.v_head, it.h) * bytes;
+    for (; j < stop; ++j, k += p.k_tok * bytes, v += p.v_tok * bytes) {
+      for (int64_t c = 0; c < p.d * bytes; c += 64) __builtin_prefetch(k + c);
+      for (int64_t c = 0; !p.v_in_k && c < p.dv * bytes; c += 64) __builtin_prefetch(v + c);
+    }
+  }
+}
+
 // Floats of scratch one thread needs for items of this problem with at most `rows` query rows: the
 // FMA kernel's (kernel.hpp).
 static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
@@ -78,6 +103,14 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
          + p.dv * rp        // O^T
          + 5 * rp           // m, l, alpha, enter, window start of each row
          + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
+}
+
+// Items of at most FEW_ROWS rows (at most MAX_LANES) run kernel_rows.hpp's run_rows, in this much.
+static inline int64_t few_rows_floats(const Problem& p, int64_t rows) {
+  const int64_t dp = (p.d + MAX_LANES - 1) / MAX_LANES * MAX_LANES, dvp = (p.dv + MAX_LANES - 1) / MAX_LANES * MAX_LANES;
+  return rows * (dp + 2 * KEY_TILE + dvp + 4)  // Q, scores, visibility, O, and m, l, enter, window start
+         + 4 * KEY_TILE                          // each key's visibility bounds
+         + KEY_TILE * (dp + dvp);                // a tile of K and V rows in fp32
 }
 
 // The brgemm kernel's (kernel_brgemm.hpp): key tiles of up to BRGEMM_TILE keys, padded to a multiple
