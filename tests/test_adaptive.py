@@ -259,7 +259,30 @@ def test_step_gate_measures_both_arms_then_runs_the_better_and_probes_the_other(
     assert [gate.drafts(8) for _ in range(16)].count(True) == 2
 
 
-@pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget")])
+def test_step_gate_backs_off_while_the_tried_arm_keeps_losing():
+    gate = StepGate(probe_every=4, max_backoff=4, forget=0.5)  # binary fractions: rates exact
+    gate.record(8, False, 8, 0.125)  # plain: 8 tokens per request per second
+    gate.record(8, True, 8, 0.25)  # drafting: 4
+
+    def wait(arm: bool) -> int:  # steps until the gate tries `arm` (the try included)
+        n = 1
+        while gate.drafts(8) is not arm:
+            n += 1
+        return n
+
+    waits = []
+    for _ in range(4):
+        waits.append(wait(True))
+        gate.record(8, True, 8, 0.25)  # tried: drafting still at 4
+    assert waits == [8, 16, 32, 32]  # 4 x 2 (plain measured 2x faster), doubled per losing try up to 4x
+    assert wait(True) == 32
+    gate.record(8, True, 80, 0.25)  # tried, and drafting now pays (rate ~22): it runs, the wait starts over
+    assert gate.rate(8, True) > gate.rate(8, False)
+    assert wait(False) <= 4 * 3
+
+
+@pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget"),
+                                           ({"max_backoff": 0}, "max_backoff")])
 def test_step_gate_refuses_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StepGate(**kwargs)

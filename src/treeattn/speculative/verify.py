@@ -79,8 +79,22 @@ class DraftTree(TokenTree):
 
     @classmethod
     def root_only(cls, token: int) -> DraftTree:
-        """A tree with no drafts: verification then emits exactly one token (plain decoding)."""
-        return cls([as_index(token, "token")], [-1])
+        """A tree with no drafts: verification then emits exactly one token (plain decoding).
+
+        Built without the general checks, which hold by construction: a plain serving step makes one per
+        request (16 of them cost 0.3 ms through ``__init__``, a few percent of a 135M model's step)."""
+        token = as_index(token, "token")
+        if token < 0:
+            raise ValueError(f"token = {token}: tokens must be non-negative token ids")
+        tree = cls.__new__(cls)
+        tree._parents, tree._choices, tree._draft_probs = _ROOT_PARENTS, None, None
+        tree._tokens = np.array([token], dtype=np.int64)
+        tree._tokens.setflags(write=False)
+        return tree
+
+
+_ROOT_PARENTS = np.array([-1], dtype=np.int64)
+_ROOT_PARENTS.setflags(write=False)
 
 
 def _check_draft_probs(q, tokens: np.ndarray) -> None:

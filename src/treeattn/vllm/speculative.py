@@ -578,6 +578,10 @@ def _install_runner_hooks() -> None:
     def _sample(self, logits, spec_decode_metadata):
         global _current
         step, _current = _current, None
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            # No request drafted (a step the gate kept plain): vLLM would still run its rejection
+            # sampler, ~1 ms of a 65 ms step here; its plain sampler gives the same tokens and shapes.
+            spec_decode_metadata = None
         if step is None or spec_decode_metadata is None or not isinstance(getattr(self, "drafter", None), TreeProposer):
             return sample(self, logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
