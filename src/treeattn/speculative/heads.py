@@ -46,7 +46,9 @@ __all__ = [
     "HeadData",
     "HeadDrafter",
     "TrainState",
+    "best_candidates",
     "causal_hidden_states",
+    "expand_frontier",
     "find_heads",
     "head_accuracy",
     "head_examples",
@@ -169,6 +171,44 @@ def find_heads() -> Path | None:
     return None
 
 
+Drafted = list[tuple[int, int, float, float]]  # per node: (parent node, token, probability given the parent, path score)
+
+
+def expand_frontier(nodes: list[Drafted], owner: Sequence[int], front: Sequence[int], probs: np.ndarray,
+                    picks: np.ndarray, width: int, min_score: float) -> list[tuple[int, int, int, int]]:
+    """One level of EAGLE-2's dynamic tree: record frontier row ``row``'s ``k`` guesses (``probs`` /
+    ``picks [rows, k]``, best first) as children of node ``front[row]`` of context ``owner[row]``, then
+    return the next frontier, ``(row, rank, context, node)`` of each context's ``width`` best children
+    by path score, those under ``min_score`` left out (so unlikely a node would never be verified)."""
+    children: list[list[tuple[float, int, int, int]]] = [[] for _ in nodes]  # (score, node, row, rank)
+    for row, (b, parent) in enumerate(zip(owner, front)):
+        score = nodes[b][parent][3]
+        for r in range(picks.shape[1]):
+            nodes[b].append((parent, int(picks[row, r]), float(probs[row, r]), score * probs[row, r]))
+            children[b].append((score * probs[row, r], len(nodes[b]) - 1, row, r))
+    return [(row, r, b, node) for b in range(len(nodes))
+            for score, node, row, r in sorted(children[b], key=lambda c: -c[0])[:width] if score >= min_score]
+
+
+def best_candidates(drafted: Drafted, budget: int) -> Candidates:
+    """The ``budget`` best of a context's drafted nodes (``grow`` keeps every kept node's parent),
+    bucketed for calibration by depth and probability decile."""
+    kids: dict[int, list[int]] = {}
+    for i, (parent, *_rest) in enumerate(drafted[1:], start=1):
+        kids.setdefault(parent, []).append(i)
+    tokens, parents, refs = grow(drafted[0][1], lambda ref: [(drafted[i][3], drafted[i][1], i)
+                                                              for i in kids.get(0 if ref is None else ref, [])],
+                                 budget)
+    depth = {0: 0}
+    keys, prior = np.zeros(len(tokens), np.int64), np.ones(len(tokens))
+    for i in range(1, len(tokens)):
+        node = refs[i]
+        depth[node] = depth[drafted[node][0]] + 1
+        p = drafted[node][2]
+        keys[i], prior[i] = (depth[node] - 1) * 100 + min(int(p * 10), 9), p
+    return Candidates(DraftTree(np.array(tokens), np.array(parents)), keys, prior)
+
+
 class HeadDrafter:
     """Drafts from ``DraftHeads`` (EAGLE-2's dynamic tree): from each context's last token, every
     depth expands the ``width`` best nodes of the previous depth (by the product of the head's
@@ -216,8 +256,7 @@ class HeadDrafter:
         roots = [int(as_context(c, f"contexts[{b}]")[-1]) for b, c in enumerate(contexts)]
         if n == 0:
             return []
-        # Per context, every drafted node: (parent node, token, probability given the parent, path score).
-        nodes: list[list[tuple[int, int, float, float]]] = [[(-1, r, 1.0, 1.0)] for r in roots]
+        nodes: list[Drafted] = [[(-1, r, 1.0, 1.0)] for r in roots]
         owner = list(range(n))  # the frontier's rows: their context, node, state and token
         front = [0] * n
         state = hidden.to(self.embed.dtype)
@@ -228,42 +267,13 @@ class HeadDrafter:
             state = self.heads(state, self.embed[tokens])
             top = torch.topk(torch.softmax(self.project(state), dim=-1), k, dim=-1)
             probs, picks = top.values.double().cpu().numpy(), self.heads.vocab[top.indices].cpu().numpy()
-            children: list[list[tuple[float, int, int, int]]] = [[] for _ in range(n)]  # (score, node, row, rank)
-            for row, (b, parent) in enumerate(zip(owner, front)):
-                score = nodes[b][parent][3]
-                for r in range(k):
-                    nodes[b].append((parent, int(picks[row, r]), float(probs[row, r]), score * probs[row, r]))
-                    children[b].append((score * probs[row, r], len(nodes[b]) - 1, row, r))
-            rows, owner, front = [], [], []
-            for b in range(n):
-                for score, node, row, r in sorted(children[b], key=lambda c: -c[0])[:self.width]:
-                    if score >= self.min_score:  # children of so unlikely a node would never be verified
-                        rows.append((row, r))
-                        owner.append(b)
-                        front.append(node)
-            if not rows:
+            chosen = expand_frontier(nodes, owner, front, probs, picks, self.width, self.min_score)
+            if not chosen:
                 break
-            index = torch.tensor([row for row, _ in rows], device=state.device)
-            state = state[index]
-            tokens = torch.from_numpy(picks[[row for row, _ in rows], [r for _, r in rows]]).to(self.embed.device)
-        return [self._best(drafted) for drafted in nodes]
-
-    def _best(self, drafted: list[tuple[int, int, float, float]]) -> Candidates:
-        """The ``budget`` best of a context's drafted nodes (``grow`` keeps every kept node's parent)."""
-        kids: dict[int, list[int]] = {}
-        for i, (parent, *_rest) in enumerate(drafted[1:], start=1):
-            kids.setdefault(parent, []).append(i)
-        tokens, parents, refs = grow(drafted[0][1], lambda ref: [(drafted[i][3], drafted[i][1], i)
-                                                                  for i in kids.get(0 if ref is None else ref, [])],
-                                     self.budget)
-        depth = {0: 0}
-        keys, prior = np.zeros(len(tokens), np.int64), np.ones(len(tokens))
-        for i in range(1, len(tokens)):
-            node = refs[i]
-            depth[node] = depth[drafted[node][0]] + 1
-            p = drafted[node][2]
-            keys[i], prior[i] = (depth[node] - 1) * 100 + min(int(p * 10), 9), p
-        return Candidates(DraftTree(np.array(tokens), np.array(parents)), keys, prior)
+            rows, ranks, owner, front = (list(column) for column in zip(*chosen))
+            state = state[torch.tensor(rows, device=state.device)]
+            tokens = torch.from_numpy(picks[rows, ranks]).to(self.embed.device)
+        return [best_candidates(drafted, self.budget) for drafted in nodes]
 
     def propose(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[DraftTree]:
         return [c.tree for c in self.candidates(contexts, hidden)]
