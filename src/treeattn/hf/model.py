@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..speculative.features import FINAL, check_feature_layers
 from ..speculative.model import ModelOutput
 from .attention import ATTN_IMPLEMENTATION, TreeCache, active_cache
 
@@ -127,16 +128,19 @@ class HFTreeModel:
 
     @torch.inference_mode()
     def forward(self, cache: TreeCache, seq_ids: Sequence, input_ids: torch.Tensor, append_lengths: Sequence[int],
-                tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None) -> ModelOutput:
+                tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None,
+                feature_layers: Sequence | None = None) -> ModelOutput:
         """Append ``input_ids`` (packed, ``append_lengths[b]`` for ``seq_ids[b]``); logits and last hidden states
-        of ``logits_rows`` (default: all): ``TreeModel.forward`` on an HF model."""
+        of ``logits_rows`` (default: all), and ``feature_layers`` of every row: ``TreeModel.forward`` on an HF model."""
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
             with self.attention():
-                return self.forward(cache, seq_ids, input_ids, append_lengths, tree_parents, logits_rows=logits_rows)
+                return self.forward(cache, seq_ids, input_ids, append_lengths, tree_parents, logits_rows=logits_rows,
+                                    feature_layers=feature_layers)
+        layers = None if feature_layers is None else check_feature_layers(feature_layers, self.config.num_hidden_layers)
         info = cache.paged.begin_forward(seq_ids, append_lengths, tree_parents)
         rows = 0 if logits_rows is None else logits_rows.to(self.device)  # 0: HF's "all rows"
         try:
-            with active_cache(cache):
+            with active_cache(cache), self._last_layer_output(layers) as last:
                 out = self.model(input_ids=input_ids.to(self.device)[None], position_ids=info.positions.long()[None],
                                  use_cache=True, logits_to_keep=rows, output_hidden_states=True,
                                  treeattn_cache=cache, **{self._cache_kwarg: cache})
@@ -144,7 +148,33 @@ class HFTreeModel:
             cache.paged.abort_forward()
             raise
         cache.paged.end_forward()
-        hidden = out.hidden_states[-1][0]
+        states = out.hidden_states
+        hidden = states[-1][0]
+        features = None
+        if layers is not None:  # HF's hidden_states[i] is boundary i for i < N; [N] is after the final norm
+            n = self.config.num_hidden_layers
+            features = torch.cat([hidden if layer == FINAL else last[0][0] if layer == n else states[layer][0]
+                                  for layer in layers], dim=-1)
         if logits_rows is not None:
             hidden = hidden[rows]
-        return ModelOutput(out.logits[0].float(), hidden)
+        return ModelOutput(out.logits[0].float(), hidden, features)
+
+    @contextlib.contextmanager
+    def _last_layer_output(self, layers):
+        """Yields a list that holds, after the forward, the last decoder layer's output (boundary ``N``,
+        before the final norm; HF's hidden states end after it) when ``layers`` asks for it."""
+        captured: list[torch.Tensor] = []
+        if layers is None or self.config.num_hidden_layers not in layers:
+            yield captured
+            return
+        decoder_layers = getattr(self.model.get_decoder(), "layers", None)
+        if not isinstance(decoder_layers, torch.nn.ModuleList):
+            raise ValueError(f"feature_layers: boundary {self.config.num_hidden_layers} (the last layer's output before "
+                             f"the final norm) is read from the decoder's .layers, which {type(self.model).__name__} "
+                             "does not have")
+        hook = decoder_layers[-1].register_forward_hook(
+            lambda _module, _args, output: captured.append(output[0] if isinstance(output, tuple) else output))
+        try:
+            yield captured
+        finally:
+            hook.remove()

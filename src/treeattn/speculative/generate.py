@@ -19,6 +19,7 @@ import torch
 
 from .adaptive import LearningDrafter, make_adaptive
 from .drafters import Drafter
+from .features import FeatureHistory, wanted_features
 from .model import TreeModel
 from .verify import DraftTree, SamplingParams, verify
 
@@ -98,12 +99,18 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
     depends on the trees; sampled output follows the target distribution whatever the trees, but a
     seed reproduces it only when the trees do not depend on measured times (``adaptive=False``, or
     an ``AdaptiveDrafter`` with ``CostModel.fixed``).
+
+    A drafter that reads per-position target features (``target_features``, e.g. ``EagleDrafter``)
+    gets a ``TargetFeatures`` as ``hidden``: the model is asked for those layers
+    (``feature_layers``) and each request's history of them is kept for the call.
     """
     prompts = _check_prompts(prompts)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if drafter is not None and not isinstance(drafter, Drafter):
         raise TypeError("drafter must implement propose(contexts, hidden=None) -> list[DraftTree]")
+    layers = wanted_features(drafter)
+    feature_kwargs = {} if layers is None else {"feature_layers": layers}  # other models need not know the keyword
     if adaptive:
         drafter = make_adaptive(drafter)
     learner = drafter if isinstance(drafter, LearningDrafter) else None
@@ -138,10 +145,14 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
     lengths = [len(p) for p in prompts]
     last_rows = torch.tensor(np.cumsum(lengths) - 1)
     packed = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts]))
-    out = model.forward(cache, list(range(batch)), packed, lengths, logits_rows=last_rows)
+    out = model.forward(cache, list(range(batch)), packed, lengths, logits_rows=last_rows, **feature_kwargs)
     result.forward_passes += 1
     first = verify([DraftTree.root_only(p[-1]) for p in prompts], out.logits, sampling, generator)
     hidden = out.hidden.clone()  # [B, hidden]: the state that predicted each sequence's next root
+    history = None if layers is None else FeatureHistory(layers, batch)
+    if history is not None:
+        for b, rows in enumerate(out.features.split(lengths)):
+            history.extend(b, rows)
     for b in range(batch):
         emit(b, first.tokens[b])
     result.prefill_s = time.perf_counter() - start
@@ -153,7 +164,8 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
         if drafter is None:
             trees = [DraftTree.root_only(contexts[b][-1]) for b in ids]
         else:
-            trees = list(drafter.propose([np.asarray(contexts[b]) for b in ids], hidden=hidden[ids]))
+            seen = hidden[ids] if history is None else history.features(ids)
+            trees = list(drafter.propose([np.asarray(contexts[b]) for b in ids], hidden=seen))
             if len(trees) != len(ids):  # zip below would silently drop sequences
                 raise ValueError(f"the drafter returned {len(trees)} trees for {len(ids)} sequences")
             for b, tree in zip(ids, trees):
@@ -172,7 +184,7 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
         # verifying) appends its roots causally: plain decoding, nothing to commit.
         drafted = any(t.size > 1 for t in trees)
         parents = [t.parents for t in trees] if drafted else None
-        out = model.forward(cache, ids, tokens, sizes, parents)
+        out = model.forward(cache, ids, tokens, sizes, parents, **feature_kwargs)
         result.forward_passes += 1
         res = verify(trees, out.logits, sampling, generator)
         if parents is not None:
@@ -180,6 +192,9 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
         node_starts = np.cumsum([0] + sizes[:-1])
         leaf_rows = torch.tensor([s + leaf for s, leaf in zip(node_starts.tolist(), res.leaf_indices)])
         hidden[ids] = out.hidden[leaf_rows]
+        if history is not None:  # the accepted path's positions (root first) now have their features
+            for b, start, path in zip(ids, node_starts.tolist(), res.paths):
+                history.extend(b, out.features[[start + node for node in path]])
         if learner is not None:
             learner.observe(res.tokens, time.perf_counter() - step_start)
         for b, new, size in zip(ids, res.tokens, sizes):

@@ -17,10 +17,12 @@ __all__ = ["ModelOutput", "TreeCacheLike", "TreeModel"]
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """``logits [R, V]`` (float32) and final-norm ``hidden [R, hidden_size]`` of the requested rows."""
+    """``logits [R, V]`` (float32) and final-norm ``hidden [R, hidden_size]`` of the requested rows;
+    ``features [T, width]``: the ``feature_layers`` asked for, of every appended row (else None)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    features: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -39,10 +41,13 @@ class TreeModel(Protocol):
     ``forward`` appends ``input_ids`` (packed, ``append_lengths[b]`` tokens for ``seq_ids[b]``) to
     ``cache``: causally with ``tree_parents=None`` (prefill, plain decoding), else one draft tree per
     sequence that stays uncommitted until ``cache.commit_accepted``. It returns the logits and final
-    hidden states of ``logits_rows`` (default: every row).
+    hidden states of ``logits_rows`` (default: every row). ``feature_layers`` (only passed when a
+    drafter reads them, so a model may leave it out): ``ModelOutput.features`` of every appended row,
+    those layers' states concatenated (``treeattn.speculative.features``).
     """
 
     def new_cache(self, num_pages: int, *, page_size: int = 16, backend: str | None = None) -> TreeCacheLike: ...
 
     def forward(self, cache, seq_ids: Sequence, input_ids: torch.Tensor, append_lengths: Sequence[int],
-                tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None) -> ModelOutput: ...
+                tree_parents: Sequence | None = None, *, logits_rows: torch.Tensor | None = None,
+                feature_layers: Sequence | None = None) -> ModelOutput: ...
