@@ -226,9 +226,10 @@ def test_drafter_gets_the_models_final_hidden_state():
             torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
 
 
-def test_sampling_keeps_the_target_distribution():
-    """Two sampled tokens after a prompt, 3000 rows in one batch, trees of fixed decoys: the empirical
-    joint law of the two tokens matches the model's exact one (chi-square, 0.1% level)."""
+def assert_sampling_keeps_the_target_distribution(make_drafter):
+    """Two sampled tokens after a prompt, 3000 rows in one batch, trees from ``make_drafter(model)`` (a
+    tiny random Llama over 6 tokens): the empirical joint law of the two tokens matches the model's
+    exact one (chi-square, 0.1% level)."""
     torch.manual_seed(3)
     vocab = 6
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -244,13 +245,9 @@ def test_sampling_keeps_the_target_distribution():
         second = model(both).logits[:, -1].softmax(-1)
     exact = (first[:, None] * second).flatten().double()
 
-    class Decoys:  # point-mass drafts: children 0, 1, 2 of the root, 3 below 0
-        def propose(self, contexts, hidden=None):
-            return [DraftTree(np.array([c[-1], 0, 1, 2, 3]), np.array([-1, 0, 0, 0, 1])) for c in contexts]
-
     n = 3000
-    out = speculative_generate(model, prompt.repeat(n, 1), max_new_tokens=2, temperature=1.0, drafter=Decoys(),
-                               generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(model, prompt.repeat(n, 1), max_new_tokens=2, temperature=1.0,
+                               drafter=make_drafter(model), generator=torch.Generator().manual_seed(0))
     pairs = out[:, -2] * vocab + out[:, -1]
     counts = torch.bincount(pairs, minlength=vocab * vocab).double()
     expected = exact * n
@@ -260,6 +257,14 @@ def test_sampling_keeps_the_target_distribution():
     chi2 = float(((obs - exp) ** 2 / exp.clamp_min(1e-9)).sum())
     dof = int(keep.sum())
     assert chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # ~0.1% tail for dof in the tens
+
+
+def test_sampling_keeps_the_target_distribution():
+    class Decoys:  # point-mass drafts: children 0, 1, 2 of the root, 3 below 0
+        def propose(self, contexts, hidden=None):
+            return [DraftTree(np.array([c[-1], 0, 1, 2, 3]), np.array([-1, 0, 0, 0, 1])) for c in contexts]
+
+    assert_sampling_keeps_the_target_distribution(lambda model: Decoys())
 
 
 def test_errors_name_the_reason():

@@ -6,7 +6,8 @@ speculative sampling), so they agree in distribution, not token for token.
 
 Drafters (``--drafter``): ``ngram`` (prompt lookup), ``suffix`` (a suffix trie over the prompts and
 every earlier answer), ``heads`` (a trained EAGLE-style draft head, ``treeattn train-heads``),
-``auto`` (suffix and the head together when a head is available). Each step verifies only the part of the draft tree
+``auto`` (suffix and the head together when a head is available); ``--draft-head PATH`` drafts with a
+published EAGLE-3, EAGLE-1/2 or Medusa head instead of treeattn's own. Each step verifies only the part of the draft tree
 expected to pay for its verification time (``AdaptiveDrafter``), or nothing: ``--full-trees`` turns
 that off. The built-in prompts ask for text that repeats the prompt (a code edit, a summary,
 questions about a passage), the workload where model-free drafters shine.
@@ -30,6 +31,7 @@ from rich.table import Table
 from ..models.loader import ModelNotAvailable, load_model, load_smollm2
 from ..speculative import SamplingParams
 from ..speculative.adaptive import AdaptiveDrafter, probe_cost
+from ..speculative.checkpoints import load_draft_head
 from ..speculative.choice import DRAFTERS, build_drafter
 from ..speculative.generate import GenerationResult, generate
 
@@ -75,6 +77,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ngram, suffix, heads or auto: suffix + heads when heads are available (default auto)")
     parser.add_argument("--heads", type=Path, default=None,
                         help="draft heads file (default: from `treeattn train-heads`, else the shipped ones)")
+    parser.add_argument("--draft-head", type=Path, default=None, metavar="PATH",
+                        help="a published EAGLE-3, EAGLE-1/2 or Medusa draft head (a folder with config.json and "
+                             "weights, or a weights file), checked against the model; drafts for --drafter heads or "
+                             "auto in place of treeattn's own head (Medusa: with --full-trees --drafter heads)")
     parser.add_argument("--full-trees", action="store_true",
                         help="verify the drafter's whole tree every step instead of the part expected to pay")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -198,9 +204,16 @@ def main_demo(args: argparse.Namespace) -> int:
         err.print(f"[red]treeattn demo: the tokenizer of {source} has no EOS token[/red]")
         return 2
     engine = f"HF transformers {type(model.model).__name__} via treeattn attention, from {source}"
+    draft_head = None
+    if args.draft_head is not None:
+        try:
+            draft_head = load_draft_head(args.draft_head, target=model, dtype=dtype, device=args.device)
+        except (OSError, ValueError) as exc:  # no such path, not a head, or a head for another model
+            err.print(f"--draft-head {args.draft_head}: {exc}", style="red", markup=False, highlight=False)
+            return 2
     try:
         drafter, described = build_drafter(args.drafter, model.vocab_weights(), args.tree_budget, heads=args.heads,
-                                           full_trees=args.full_trees, model_name=name)
+                                           draft_head=draft_head, full_trees=args.full_trees, model_name=name)
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")
         return 2

@@ -68,7 +68,8 @@ def speculative_generate(model, input_ids: torch.Tensor, *, max_new_tokens: int,
                          eos_token_id: int | list[int] | None = None) -> torch.LongTensor:
     """Generate with tree speculative decoding; returns ``[B, prompt_len + new]`` like ``model.generate``.
 
-    Each step the ``drafter`` (default ``NGramDrafter()``) proposes one tree per unfinished row, one
+    Each step the ``drafter`` (default ``NGramDrafter()``; a published EAGLE-3 / EAGLE head drafts with
+    ``EagleDrafter(load_draft_head(path, target=model))``) proposes one tree per unfinished row, one
     forward of ``model`` (attention ``"treeattn"`` for the duration of the call) verifies all of them,
     and the accepted path is committed. ``temperature == 0`` is greedy and token-identical to
     ``model.generate(do_sample=False)``; otherwise tokens are sampled from the target distribution

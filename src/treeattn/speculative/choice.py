@@ -1,17 +1,20 @@
 """A drafter by name: ``ngram``, ``suffix``, ``heads`` or ``auto`` (what ``treeattn demo --drafter`` and
 ``treeattn.vllm.tree_speculative_config(drafter=...)`` accept), built for a target from its vocabulary
-weights (the input embeddings and the LM head, which a draft head reads)."""
+weights (the input embeddings and the LM head, which a draft head reads), or with a published draft
+head (``load_draft_head``) in place of treeattn's own."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .adaptive import AdaptiveDrafter, CostModel
-from .drafters import NGramDrafter
+from .drafters import MedusaHeads, NGramDrafter, StaticTreeDrafter
+from .eagle import Eagle3Head, EagleHead
+from .eagle_drafter import EagleDrafter
 from .heads import HeadDrafter, VocabWeights, find_heads, load_heads
 from .suffix import SuffixDrafter
 
-__all__ = ["DRAFTERS", "build_drafter", "heads_file", "heads_mismatch"]
+__all__ = ["DRAFTERS", "build_drafter", "heads_file", "heads_mismatch", "medusa_choices", "published_drafter"]
 
 DRAFTERS = ("ngram", "suffix", "heads", "auto")
 
@@ -42,8 +45,28 @@ def heads_file(kind: str, heads: Path | None) -> Path | None:
     return path
 
 
+def medusa_choices(num_heads: int, budget: int, width: int = 3) -> list[tuple[int, ...]]:
+    """A static tree for Medusa heads within ``budget`` nodes: a spine of every head's best guess with
+    ``width`` alternatives at each depth, ``(r,), (0, r), (0, 0, r), ...`` (shallow nodes first)."""
+    return [(0,) * d + (r,) for d in range(num_heads) for r in range(width)][:budget - 1]
+
+
+def published_drafter(head, budget: int, *, full_trees: bool = False):
+    """The drafter of a published head from ``load_draft_head``: ``EagleDrafter`` for EAGLE-3 and
+    EAGLE-1/2 heads, a static ``medusa_choices`` tree for Medusa heads (which do not score their guesses,
+    so they need ``full_trees``)."""
+    if isinstance(head, (Eagle3Head, EagleHead)):
+        return EagleDrafter(head, budget=budget)
+    if not isinstance(head, MedusaHeads):
+        raise TypeError(f"draft_head must be a head from load_draft_head, got {type(head).__name__}")
+    if not full_trees or budget < 2:
+        raise ValueError("Medusa heads do not score their guesses: they draft whole static trees (full trees, "
+                         "a budget of 2 nodes or more)")
+    return StaticTreeDrafter(medusa_choices(len(head.medusa_head), budget), head)
+
+
 def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads: Path | None = None,
-                  full_trees: bool = False, model_name: str | None = None):
+                  draft_head=None, full_trees: bool = False, model_name: str | None = None):
     """``(drafter, description)`` for drafter ``kind``: adaptive trees of up to ``budget`` nodes, or
     the drafter's whole trees with ``full_trees``.
 
@@ -53,9 +76,19 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
     is ``heads`` and there is none, or it does not fit the target (another hidden size or vocabulary,
     or made for another model than ``model_name``, when given). ``auto`` is suffix + head, or suffix
     alone without a usable head (and the description says why).
+    ``draft_head``: a published head (``load_draft_head(path, target=model)``, checked against the
+    model there) that drafts in place of treeattn's own, for ``heads`` and ``auto``.
     """
     if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
+    if draft_head is not None:
+        if kind not in ("heads", "auto") or heads is not None:
+            raise ValueError(f"a published draft head (--draft-head) drafts for drafter heads or auto, in place of "
+                             f"a treeattn head file (--heads); got drafter {kind!r}"
+                             + (f" and heads {heads}" if heads is not None else ""))
+        published = published_drafter(draft_head, budget, full_trees=full_trees)
+        sources = ([SuffixDrafter(budget)] if kind == "auto" else []) + [published]
+        return _combine(sources, budget, full_trees, "")
     if kind in ("heads", "auto") and weights is None:
         raise ValueError(f"drafter {kind!r} reads the target's embeddings and LM head: weights must be given")
     heads_path = heads_file(kind, heads) if kind in ("heads", "auto") else None
@@ -76,6 +109,11 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
             raise ValueError(f"drafter 'heads': {heads_path}: {why}; pick another drafter")
         else:
             skipped = f" (no draft head: {why})"
+    return _combine(sources, budget, full_trees, skipped)
+
+
+def _combine(sources: list, budget: int, full_trees: bool, skipped: str):
+    """``(drafter, description)``: the one source's whole trees, or all sources adaptive."""
     names = " + ".join(type(s).__name__ for s in sources)
     if full_trees:
         if len(sources) > 1:

@@ -1,0 +1,157 @@
+"""``EagleDrafter``: EAGLE-2 dynamic trees drafted by a published EAGLE-3 or EAGLE-1/2 head.
+
+Per request the drafter keeps one sequence of the head's ``HeadKVCache``: row ``p`` holds the
+target's features of position ``p`` paired with the token at ``p + 1``. Each call it first appends
+the rows of the positions accepted since the last call (``TargetFeatures`` from the runner: the head
+reads the target's aux-layer states for EAGLE-3, its final-norm hidden states for EAGLE-1/2), then
+drafts level by level: the last context row's output scores the root's children, the ``width`` best
+nodes by path probability are appended as tree nodes (each reading its parent's state) and score
+their own children, and so on for ``depth`` levels. Every guessed node is a candidate; the tree is
+the ``budget`` best, scored for ``AdaptiveDrafter`` like ``HeadDrafter``'s.
+
+Request state is keyed by the runner's request names (``TargetFeatures.seq_ids``) and freed once a
+request is no longer ``live``. It is only a cache: the tokens its rows were built from are kept, and
+a context that does not extend them is rebuilt from its features, so drafts never depend on what
+the drafter saw before (and drafts only ever change speed, never the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .adaptive import Candidates
+from .drafters import as_context
+from .eagle import Eagle3Head, EagleHead
+from .features import FINAL, TargetFeatures
+from .heads import Drafted, best_candidates, expand_frontier
+from .verify import DraftTree
+
+__all__ = ["EagleDrafter"]
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray  # the context tokens the cached rows were built from (row p pairs with token p + 1)
+    hidden: torch.Tensor | None = None  # the last context row's HeadOutput: what the first level reads
+    final: torch.Tensor | None = None
+
+
+class EagleDrafter:
+    """Drafts with ``head`` (an ``Eagle3Head`` or ``EagleHead``, e.g. from ``load_draft_head(path,
+    target=model)``): per level the ``width`` best nodes each guess their ``top_k`` next tokens, over
+    ``depth`` levels, stopping below path probability ``min_score``; trees of ``budget`` nodes (root
+    included). The defaults follow EAGLE-2's scheme, scaled down for CPU drafting (not tuned).
+
+    ``target_features`` tells the runner what to pass as ``hidden`` (``TargetFeatures``): the head's
+    ``aux_layers`` (EAGLE-3) or ``(FINAL,)`` (EAGLE-1/2). Implements ``Drafter`` and ``ScoringDrafter``.
+    """
+
+    def __init__(self, head: Eagle3Head | EagleHead, *, budget: int = 32, top_k: int = 4, width: int = 4,
+                 depth: int = 6, min_score: float = 0.02, backend: str | None = None):
+        if not isinstance(head, (Eagle3Head, EagleHead)):
+            raise TypeError(f"head must be an Eagle3Head or EagleHead (load_draft_head), got {type(head).__name__}")
+        for name, value in (("budget", budget), ("top_k", top_k), ("width", width), ("depth", depth)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not 0 <= min_score < 1:
+            raise ValueError(f"min_score must be in [0, 1), got {min_score!r}")
+        if isinstance(head, Eagle3Head):
+            if head.config.aux_layers is None:
+                raise ValueError("the EAGLE-3 head does not know its target's aux layers: load it with "
+                                 "load_draft_head(path, target=model)")
+            self.target_features = head.config.aux_layers
+        else:
+            self.target_features = (FINAL,)
+        self.head = head.eval()
+        self.budget, self.top_k, self.width, self.depth, self.min_score = budget, top_k, width, depth, float(min_score)
+        self.cache = head.new_cache(backend=backend)
+        self._requests: dict[Hashable, _Request] = {}
+
+    def __repr__(self) -> str:
+        return f"EagleDrafter({type(self.head).__name__}, features={self.target_features}, budget={self.budget}, " \
+               f"top_k={self.top_k}, width={self.width}, depth={self.depth}, min_score={self.min_score})"
+
+    def propose(self, contexts: Sequence[np.ndarray], hidden: TargetFeatures | None = None) -> list[DraftTree]:
+        return [c.tree for c in self.candidates(contexts, hidden)]
+
+    @torch.inference_mode()
+    def candidates(self, contexts: Sequence[np.ndarray], hidden: TargetFeatures | None = None) -> list[Candidates]:
+        if not isinstance(hidden, TargetFeatures) or hidden.layers != self.target_features or len(hidden) != len(contexts):
+            raise ValueError(f"EagleDrafter needs hidden=TargetFeatures of layers {self.target_features}, one per "
+                             f"context ({len(contexts)}): run it through treeattn.speculative.generate, which asks "
+                             "the target for them")
+        contexts = [as_context(c, f"contexts[{i}]") for i, c in enumerate(contexts)]
+        for name in [name for name in self._requests if name not in hidden.live]:  # finished requests
+            self._forget(name)
+        if not contexts:
+            return []
+        requests = self._catch_up(contexts, hidden)
+        nodes: list[Drafted] = [[(-1, int(c[-1]), 1.0, 1.0)] for c in contexts]
+        ready = [i for i, r in enumerate(requests) if r.final is not None]  # no context row yet: nothing to draft from
+        if ready:
+            self._draft(nodes, hidden.seq_ids, ready,
+                        torch.stack([requests[i].hidden for i in ready]), torch.stack([requests[i].final for i in ready]))
+        return [best_candidates(drafted, self.budget) for drafted in nodes]
+
+    def _forget(self, name: Hashable) -> None:
+        self.cache.remove_sequence(name)
+        del self._requests[name]
+
+    def _catch_up(self, contexts: list[np.ndarray], features: TargetFeatures) -> list[_Request]:
+        """Append every context's rows not cached yet (rebuilding a context that does not extend its
+        cached tokens), in one context append, which also drops the previous call's draft trees."""
+        device = self.head.embed_tokens.weight.device
+        names, lengths, rows, tokens, requests = [], [], [], [], []
+        for i, (context, name) in enumerate(zip(contexts, features.seq_ids)):
+            have = features.rows[i]
+            if have.shape[0] != context.size - 1:
+                raise ValueError(f"hidden.rows[{i}] holds {have.shape[0]} positions' features, contexts[{i}] has "
+                                 f"{context.size} tokens: expected one per position but the last")
+            request = self._requests.get(name)
+            cached = 0 if request is None else request.tokens.size
+            if request is not None and not (cached <= context.size and np.array_equal(context[:cached], request.tokens)):
+                self._forget(name)  # another text under this name: start over
+                request, cached = None, 0
+            if request is None:
+                self.cache.add_sequence(name)
+                request = self._requests[name] = _Request(context[:0].copy())
+            start = max(cached - 1, 0)  # the next row's position (row p pairs with token p + 1)
+            names.append(name)
+            lengths.append(context.size - 1 - start)
+            rows.append(have[start:].to(device))
+            tokens.append(torch.from_numpy(context[start + 1:]))
+            requests.append(request)
+            request.tokens = context.copy()
+        out = self.head(self.cache, names, torch.cat(rows), torch.cat(tokens), lengths)
+        ends = np.cumsum(lengths)
+        for request, n, end in zip(requests, lengths, ends.tolist()):
+            if n:
+                request.hidden, request.final = out.hidden[end - 1].clone(), out.final[end - 1].clone()  # not the whole output
+        return requests
+
+    def _draft(self, nodes: list[Drafted], seq_ids: list, owner: list[int], hidden: torch.Tensor,
+               final: torch.Tensor) -> None:
+        """Grow ``nodes`` level by level from the ``owner`` contexts' last context rows (``hidden`` /
+        ``final``, one row each), appending each level's expanded nodes to the head's draft trees."""
+        front = [0] * len(owner)  # per frontier row: its node in nodes[owner[row]]
+        in_tree: list[dict[int, int]] = [{} for _ in nodes]  # per context: node -> index in the head's draft tree
+        k = min(self.top_k, self.head.config.vocab_size_draft)
+        for level in range(min(self.depth, self.budget - 1)):
+            top = torch.topk(torch.softmax(self.head.logits(final), dim=-1), k, dim=-1)
+            probs, picks = top.values.double().cpu().numpy(), self.head.to_target(top.indices).cpu().numpy()
+            chosen = expand_frontier(nodes, owner, front, probs, picks, self.width, self.min_score)
+            if not chosen or level + 1 == min(self.depth, self.budget - 1):
+                return
+            rows, ranks, owner, front = (list(column) for column in zip(*chosen))
+            seqs = sorted(set(owner))  # expand_frontier lists each context's rows together, in context order: packed
+            parents = {b: [] for b in seqs}
+            for b, node in zip(owner, front):
+                parents[b].append(in_tree[b].get(nodes[b][node][0], -1))  # the root's children are first-level nodes
+                in_tree[b][node] = len(in_tree[b])
+            out = self.head(self.cache, [seq_ids[b] for b in seqs], hidden[rows], torch.from_numpy(picks[rows, ranks]),
+                            [len(parents[b]) for b in seqs], [parents[b] for b in seqs])
+            hidden, final = out.hidden, out.final
