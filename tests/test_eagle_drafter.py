@@ -22,6 +22,8 @@ from tests.test_speculative_generate import CHEAP
 from treeattn.cli import demo
 from treeattn.hf import HFTreeModel, speculative_generate
 from treeattn.speculative import FINAL, AdaptiveDrafter, CostModel, EagleDrafter, NGramDrafter, TargetFeatures, generate, load_draft_head
+from treeattn.speculative.choice import published_drafter
+from treeattn.speculative.drafters import MedusaHeads, StaticTreeDrafter
 from treeattn.speculative.eagle import Eagle3Head, EagleHead, HeadConfig
 
 torch.set_num_threads(1)
@@ -214,3 +216,14 @@ def test_demo_draft_head(tiny_folder, tmp_path, capsys):  # noqa: F811
     assert "--draft-head" in (message := error("--draft-head", str(narrow_folder))) and "hidden_size = 32, target's = 64" in message
     message = error("--draft-head", str(folder), "--drafter", "ngram")
     assert "published draft head (--draft-head) drafts for drafter heads or auto" in message
+
+
+def test_medusa_heads_draft_static_full_trees(model):
+    medusa = MedusaHeads(64, VOCAB, num_heads=3)
+    drafter = published_drafter(medusa, 8, full_trees=True)
+    assert isinstance(drafter, StaticTreeDrafter) and drafter.tree.size == 8
+    prompts = make_prompts(seed=4, count=2)
+    spec = generate(model, prompts, max_new_tokens=8, drafter=drafter, adaptive=False)
+    assert spec.tokens == generate(model, prompts, max_new_tokens=8).tokens
+    with pytest.raises(ValueError, match="Medusa heads do not score their guesses"):
+        published_drafter(medusa, 8)
