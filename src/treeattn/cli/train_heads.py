@@ -5,7 +5,8 @@ Three stages, each checkpointed so that an interrupted run resumes where it stop
 command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``),
 its hidden states along those answers become the training data, then the head is trained (one
 checkpoint per epoch). The last tenth of the prompts is held out to report the accuracy of each
-draft step.
+draft step. ``--arch eagle3`` trains an EAGLE-3 head instead (``train_eagle3``), written as an EAGLE-3
+checkpoint folder.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,10 +44,21 @@ from ..speculative.heads import (
     train_heads,
 )
 from .demo import MODEL_NAME, chat_ids, pick_threads
+from .train_eagle3 import aux_layers_arg, check_aux_layers, run_eagle3
+
+DEFAULT_EAGLE3 = DEFAULT_HEADS.with_name("smollm2-135m-eagle3")  # a checkpoint folder
 
 
 def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=DEFAULT_HEADS, help=f"heads file to write (default {DEFAULT_HEADS})")
+    parser.add_argument("--arch", choices=("heads", "eagle3"), default="heads",
+                        help="heads: treeattn's own draft head (a .pt file); eagle3: an EAGLE-3 head, written as an "
+                             "EAGLE-3 checkpoint folder (config.json + model.safetensors) for --draft-head, vLLM, SGLang")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"heads file (folder for --arch eagle3) to write (default {DEFAULT_HEADS}, "
+                             f"{DEFAULT_EAGLE3} for eagle3)")
+    parser.add_argument("--aux-layers", type=aux_layers_arg, default=None,
+                        help="--arch eagle3: the three layer boundaries whose states the head reads, e.g. 2,15,27 "
+                             "(default EAGLE-3's: 2, N // 2, N - 3 for N layers)")
     parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
                         help="prompts, one per line (default: the 644 shipped with treeattn)")
     parser.add_argument("--max-tokens", type=int, default=160, help="answer tokens per prompt (default 160)")
@@ -75,6 +88,9 @@ def main_train_heads(args: argparse.Namespace) -> int:
     if args.vocab < 2 or args.max_tokens < 2:
         err.print("[red]--vocab and --max-tokens must be >= 2 (a draft guesses the token after the next)[/red]")
         return 2
+    if args.aux_layers is not None and args.arch != "eagle3":
+        err.print("[red]--aux-layers is for --arch eagle3 only[/red]")
+        return 2
     if not args.prompts.is_file():
         err.print(f"[red]--prompts: no such file {args.prompts}[/red]")
         return 2
@@ -90,12 +106,20 @@ def main_train_heads(args: argparse.Namespace) -> int:
     except ModelNotAvailable as exc:
         err.print(f"[red]treeattn train-heads needs the model:[/red] {exc}")
         return 2
+    if args.arch == "eagle3":
+        aux, problem = check_aux_layers(args.aux_layers, model.config.num_hidden_layers)
+        if problem:
+            err.print(f"[red]{problem}[/red]")
+            return 2
+    args.out = args.out or (DEFAULT_EAGLE3 if args.arch == "eagle3" else DEFAULT_HEADS)
     started = time.perf_counter()
     prompts = [chat_ids(tokenizer, t) for t in texts]
     # The answers depend on the prompts and their length only: they survive a change of training settings.
     data_config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
                    "max_tokens": args.max_tokens}
     train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr}
+    if args.arch == "eagle3":  # another head: the answers are reused, the training is not
+        train_config.update(arch="eagle3", aux_layers=list(aux))
     ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
     ckpt = {"data_config": data_config, "train_config": train_config, "outputs": [], "heads": None, "train": None}
     if ckpt_path.is_file():
@@ -115,6 +139,20 @@ def main_train_heads(args: argparse.Namespace) -> int:
         torch.save(ckpt, tmp)
         tmp.replace(ckpt_path)  # atomic: an interrupt never leaves half a checkpoint
 
+    def resume(head: torch.nn.Module) -> tuple[TrainState, Callable[[TrainState], None]]:
+        """The training state saved with ``head``'s weights (loaded into it), and what checkpoints an epoch."""
+        state = TrainState()
+        if ckpt["heads"] is not None:
+            head.load_state_dict(ckpt["heads"])
+            state = TrainState(**ckpt["train"])
+
+        def on_epoch(s: TrainState) -> None:
+            ckpt["heads"] = head.state_dict()
+            ckpt["train"] = {"epoch": s.epoch, "losses": s.losses, "optimizer": s.optimizer}
+            save()
+
+        return state, on_epoch
+
     console.print(f"[bold]{MODEL_NAME}[/bold], {threads} thread{'s' if threads != 1 else ''}{why}: {len(prompts)} prompts, "
                   f"{args.max_tokens} tokens each, a {args.depth}-step draft head")
     with _progress(console) as bar, model.attention():  # "treeattn" for every forward of the run
@@ -127,6 +165,11 @@ def main_train_heads(args: argparse.Namespace) -> int:
         outputs = self_distill(model, prompts, max_new_tokens=args.max_tokens, batch_size=args.batch,
                                stop_tokens=[tokenizer.eos_token_id], done=ckpt["outputs"], on_batch=on_batch,
                                progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+        if args.arch == "eagle3":
+            code = run_eagle3(args, model, prompts, outputs, aux, resume, bar, started, MODEL_NAME)
+            if code == 0:
+                ckpt_path.unlink(missing_ok=True)
+            return code
         held_out = max(1, len(prompts) // 10)
         task = bar.add_task("hidden states", total=len(prompts), info="")
         try:
@@ -140,17 +183,8 @@ def main_train_heads(args: argparse.Namespace) -> int:
         weights = model.vocab_weights()
         vocab = shortlist(outputs[:-held_out], weights[1].shape[0], args.vocab)
         heads = DraftHeads(model.config.hidden_size, vocab, depth=args.depth)
-        state = TrainState()
-        if ckpt["heads"] is not None:
-            heads.load_state_dict(ckpt["heads"])
-            state = TrainState(**ckpt["train"])
+        state, on_epoch = resume(heads)
         task = bar.add_task("training", total=None, info="")
-
-        def on_epoch(s: TrainState) -> None:
-            ckpt["heads"] = heads.state_dict()
-            ckpt["train"] = {"epoch": s.epoch, "losses": s.losses, "optimizer": s.optimizer}
-            save()
-
         train_heads(heads, weights, data, epochs=args.epochs, lr=args.lr, state=state, on_epoch=on_epoch,
                     progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
 

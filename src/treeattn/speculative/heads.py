@@ -50,6 +50,7 @@ __all__ = [
     "causal_hidden_states",
     "expand_frontier",
     "find_heads",
+    "fit",
     "head_accuracy",
     "head_examples",
     "load_heads",
@@ -305,15 +306,19 @@ def self_distill(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     return outputs
 
 
-def causal_hidden_states(model, tokens: Sequence[int]) -> torch.Tensor:
+def causal_hidden_states(model, tokens: Sequence[int], feature_layers: Sequence | None = None) -> torch.Tensor:
     """Final hidden states ``[T, hidden]`` of one sequence: one causal forward of ``model`` (a
-    ``TreeModel``) on a scratch cache."""
+    ``TreeModel``) on a scratch cache; with ``feature_layers``, those layers' states concatenated
+    instead (``ModelOutput.features``)."""
     ids = torch.as_tensor(list(tokens), dtype=torch.int64)
     page_size = 16
     cache = model.new_cache(-(-ids.numel() // page_size), page_size=page_size)
     cache.add_sequence(0)
     with torch.inference_mode():
-        hidden = model.forward(cache, [0], ids, [ids.numel()]).hidden
+        if feature_layers is None:
+            hidden = model.forward(cache, [0], ids, [ids.numel()]).hidden
+        else:
+            hidden = model.forward(cache, [0], ids, [ids.numel()], feature_layers=feature_layers).features
     return hidden.clone()  # outside inference mode: a normal tensor that training can use
 
 
@@ -430,20 +435,35 @@ def train_heads(heads: DraftHeads, weights: VocabWeights, data: HeadData, *, epo
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     heads.check_model(weights)
     embed, out = weights[0].detach(), _shortlist_head(heads, weights).detach()
+    heads.train()
+    state = fit(heads.parameters(), len(data), lambda rows: _loss(heads, embed, out, data, rows), epochs=epochs,
+                batch=batch_rows, lr=lr, seed=seed, state=state, progress=progress, on_epoch=on_epoch)
+    heads.eval()
+    return state
+
+
+def fit(params, num_items: int, batch_loss: Callable[[torch.Tensor], torch.Tensor], *, epochs: int, batch: int,
+        lr: float, seed: int, state: TrainState | None, progress: Progress | None,
+        on_epoch: Callable[[TrainState], None] | None) -> TrainState:
+    """Minimise ``batch_loss(indices)`` over ``epochs`` shuffles of ``num_items`` training items,
+    ``batch`` per update, by AdamW on ``params`` with cosine decay from ``lr``.
+
+    Resumes from ``state`` (epochs already done are skipped; the shuffles are seeded per epoch, so a
+    resumed run sees the same batches); ``on_epoch(state)`` after each epoch (to checkpoint).
+    """
     state = state or TrainState()
-    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     if state.optimizer is not None:
         opt.load_state_dict(state.optimizer)
-    steps_per_epoch = -(-len(data) // batch_rows)
+    steps_per_epoch = -(-num_items // batch)
     total = epochs * steps_per_epoch
-    heads.train()
     for epoch in range(state.epoch, epochs):
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch))
+        order = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed + epoch))
         for s in range(steps_per_epoch):
             step = epoch * steps_per_epoch + s
             for group in opt.param_groups:
                 group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / total))  # a float: checkpoints load weights-only
-            loss = _loss(heads, embed, out, data, order[s * batch_rows:(s + 1) * batch_rows])
+            loss = batch_loss(order[s * batch:(s + 1) * batch])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -454,7 +474,6 @@ def train_heads(heads: DraftHeads, weights: VocabWeights, data: HeadData, *, epo
         state.optimizer = opt.state_dict()
         if on_epoch is not None:
             on_epoch(state)
-    heads.eval()
     return state
 
 

@@ -1,0 +1,86 @@
+"""``treeattn train-heads --arch eagle3``: self-distil an EAGLE-3 head (``speculative.eagle_train``) and
+write it as a standard EAGLE-3 checkpoint folder, which ``treeattn demo --draft-head`` and EAGLE-3
+loaders (vLLM, SGLang) read. The model's answers come from ``train-heads``' first stage (shared
+checkpoint); this module runs the feature and training stages and reports held-out accuracy."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from ..speculative import eagle_train
+from ..speculative.eagle import default_aux_layers
+from ..speculative.heads import TrainState, shortlist
+
+
+def aux_layers_arg(text: str) -> tuple[int, ...]:
+    """``--aux-layers`` as three comma-separated boundary indices (argparse names the flag on error)."""
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three comma-separated layer boundaries such as 2,15,27, "
+                                         f"got {text!r}") from None
+    if len(layers) != 3 or len(set(layers)) != 3:
+        raise argparse.ArgumentTypeError(f"expected three distinct layer boundaries, got {text!r}")
+    return tuple(sorted(layers))
+
+
+def check_aux_layers(asked: tuple[int, ...] | None, num_layers: int) -> tuple[tuple[int, ...], str | None]:
+    """``(aux layers, error naming the flag or None)`` for a target of ``num_layers`` decoder layers."""
+    layers = default_aux_layers(num_layers) if asked is None else asked
+    if all(0 <= a <= num_layers for a in layers) and len(set(layers)) == 3:
+        return layers, None
+    if asked is None:
+        return layers, (f"the model has {num_layers} layers: EAGLE-3's default aux layers {layers} do not fit, "
+                        "pass --aux-layers")
+    return layers, f"--aux-layers must lie in [0, {num_layers}] (the model's layer boundaries), got {asked}"
+
+
+Resume = Callable[[torch.nn.Module], tuple[TrainState, Callable[[TrainState], None]]]
+
+
+def run_eagle3(args: argparse.Namespace, model, prompts: list, outputs: list, aux: tuple[int, ...], resume: Resume,
+               bar: Progress, started: float, model_name: str) -> int:
+    """Train and write the head from ``outputs`` (the model's answers to ``prompts``; the last tenth
+    held out); ``resume(head)`` loads a checkpoint into the head and gives its ``TrainState`` and the
+    per-epoch checkpointer."""
+    console, err = bar.console, Console(stderr=True)
+    held_out = max(1, len(prompts) // 10)
+    task = bar.add_task("target features", total=len(prompts), info="")
+    try:
+        data = eagle_train.eagle3_examples(model, prompts[:-held_out], outputs[:-held_out], aux,
+                               progress=lambda d, t, info: bar.update(task, completed=d))
+        held = eagle_train.eagle3_examples(model, prompts[-held_out:], outputs[-held_out:], aux)
+    except ValueError as exc:  # e.g. every answer ended at once (EOS)
+        err.print(f"[red]treeattn train-heads: the answers cannot train a head: {exc}[/red]")
+        return 2
+    bar.update(task, completed=len(prompts))
+    vocab = shortlist(outputs[:-held_out], model.config.vocab_size, args.vocab)
+    head = eagle_train.new_eagle3_head(model, vocab, aux)
+    state, on_epoch = resume(head)
+    task = bar.add_task("training", total=None, info="")
+    eagle_train.train_eagle3(head, data, steps=args.depth, epochs=args.epochs, lr=args.lr, state=state,
+                             on_epoch=on_epoch,
+                             progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
+    top1 = eagle_train.eagle3_accuracy(head, held, steps=args.depth)
+    loss = eagle_train.eagle3_loss(head, held, steps=args.depth)
+    minutes = (time.perf_counter() - started) / 60
+    eagle_train.save_eagle3(head, args.out, target_layers=model.config.num_hidden_layers, model=model_name,
+                            prompts=len(prompts), held_out=held_out, max_tokens=args.max_tokens, epochs=args.epochs,
+                            lr=args.lr, top1=top1, held_out_loss=loss, minutes=round(minutes, 1))
+    table = Table(title=f"held-out accuracy ({held_out} prompts, loss {loss:.3f})", box=box.SIMPLE_HEAD)
+    for col in ("draft step", "guesses", "top-1"):
+        table.add_column(col, justify="right")
+    for j, a1 in enumerate(top1):
+        table.add_row(str(j + 1), f"token t+{j + 2}", f"{a1:.1%}")
+    console.print(table)
+    console.print(f"wrote the EAGLE-3 head {args.out} (aux layers {list(aux)}, {len(vocab)}-token draft vocabulary) "
+                  f"in {minutes:.1f} min; trained on {len(data)} answers")
+    return 0

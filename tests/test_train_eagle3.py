@@ -1,0 +1,179 @@
+"""``treeattn train-heads --arch eagle3``: an EAGLE-3 head self-distilled on a tiny random Llama (2 layers,
+so aux boundaries 0, 1, 2), trained with the training-time test, saved as an EAGLE-3 checkpoint folder.
+
+Budget: a few seconds each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import VOCAB, make_prompts, tiny_model
+from tests.test_heads import CharTokenizer
+from treeattn.speculative import EagleDrafter, generate, load_draft_head
+from treeattn.speculative.eagle_train import (
+    eagle3_accuracy,
+    eagle3_examples,
+    eagle3_loss,
+    new_eagle3_head,
+    save_eagle3,
+    train_eagle3,
+    ttt_forward,
+)
+from treeattn.speculative.heads import self_distill, shortlist
+
+AUX = (0, 1, 2)
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def answers(tiny):
+    """The tiny model's own greedy answers: 16 prompts to train on, 4 held out."""
+    prompts = make_prompts(seed=11, count=20)
+    return prompts, self_distill(tiny, prompts, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def data(tiny, answers):
+    prompts, outputs = answers
+    return eagle3_examples(tiny, prompts[:16], outputs[:16], AUX), eagle3_examples(tiny, prompts[16:], outputs[16:], AUX)
+
+
+def fresh_head(tiny, answers, seed=0):
+    return new_eagle3_head(tiny, shortlist(answers[1][:16], VOCAB, 48), AUX, seed=seed)
+
+
+def periodic(phases, period=7):
+    """Sequences that cycle through a fixed random permutation, from several phases: the next token is a
+    function of the current one, so what a head learns on some phases holds on the others."""
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:period].tolist()
+    prompts = [[perm[i % period], perm[(i + 1) % period]] for i in phases]
+    return prompts, [[perm[(i + 2 + t) % period] for t in range(20)] for i in phases]
+
+
+def test_training_lowers_the_held_out_loss(tiny):
+    (prompts, outputs), (held_prompts, held_outputs) = periodic(range(8)), periodic(range(8, 11))
+    train, held = eagle3_examples(tiny, prompts, outputs, AUX), eagle3_examples(tiny, held_prompts, held_outputs, AUX)
+    head = new_eagle3_head(tiny, shortlist(outputs, VOCAB, 16), AUX)
+    loss_before, acc_before = eagle3_loss(head, held, steps=STEPS), eagle3_accuracy(head, held, steps=STEPS)
+    state = train_eagle3(head, train, steps=STEPS, epochs=10, batch_size=4, lr=3e-3)
+    assert state.epoch == 10 and len(state.losses) == 10 * 2 and np.isfinite(state.losses).all()
+    loss_after, acc_after = eagle3_loss(head, held, steps=STEPS), eagle3_accuracy(head, held, steps=STEPS)
+    assert loss_after < 0.6 * loss_before, (loss_before, loss_after)
+    assert len(acc_after) == STEPS and acc_after[0] > 0.8 and acc_after[1] > 0.8, (acc_before, acc_after)
+    assert not head.embed_tokens.weight.requires_grad  # the target's embeddings stay frozen
+    torch.testing.assert_close(head.embed_tokens.weight, tiny.vocab_weights()[0])
+
+
+def test_resume_is_bit_identical(tiny, answers, data):
+    train = data[0]
+    full = fresh_head(tiny, answers)
+    resumed = copy.deepcopy(full)
+    train_eagle3(full, train, steps=2, epochs=3, batch_size=8)
+    saved = []
+
+    def interrupt(state):
+        saved.append((copy.deepcopy(state), copy.deepcopy(resumed.state_dict())))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_eagle3(resumed, train, steps=2, epochs=3, batch_size=8, on_epoch=interrupt)
+    state, weights = saved[-1]
+    assert state.epoch == 1
+    restarted = fresh_head(tiny, answers, seed=5)  # another init: everything must come from the checkpoint
+    restarted.load_state_dict(weights)
+    train_eagle3(restarted, train, steps=2, epochs=3, batch_size=8, state=state)
+    for (name, a), b in zip(full.state_dict().items(), restarted.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def chain_outputs(head, features, tokens, c, steps):
+    """Through ``Eagle3Head.forward`` and its KV cache: context rows ``0..c`` of one sequence, then a chain of
+    ``steps - 1`` draft nodes reading the true tokens; the final states of row ``c`` and of each node."""
+    cache = head.new_cache()
+    cache.add_sequence(0)
+    out = head(cache, [0], features[:c + 1], tokens[1:c + 2], [c + 1])
+    finals, hidden = [out.final[-1]], out.hidden[-1:]
+    for depth in range(steps - 1):
+        out = head(cache, [0], hidden, tokens[c + 2 + depth:c + 3 + depth], [1], [[depth - 1]])
+        finals.append(out.final[0])
+        hidden = out.hidden
+    return torch.stack(finals)
+
+
+def test_saved_folder_loads_and_matches_the_training_forward(tiny, answers, data, tmp_path):
+    train = data[0]
+    head = fresh_head(tiny, answers)
+    train_eagle3(head, train, steps=STEPS, epochs=1, batch_size=8)
+    folder = save_eagle3(head, tmp_path / "e3", target_layers=2, dtype=torch.float32, note="test")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}  # not the defaults: spelled out
+    assert config["draft_vocab_size"] == 48 and config["treeattn"] == {"note": "test"}
+    loaded = load_draft_head(folder, target=tiny)
+    assert loaded.config.aux_layers == AUX and loaded.to_target(torch.arange(48)).tolist() == sorted(
+        shortlist(answers[1][:16], VOCAB, 48))
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    # The training forward on a batch of two sequences vs the head's own forward, context then a draft chain.
+    feats, reads, _, _ = train.batch([0, 3], torch.zeros(VOCAB, dtype=torch.long), STEPS)
+    with torch.no_grad():
+        batched = ttt_forward(head, feats, reads, STEPS)
+        for b, i in enumerate([0, 3]):
+            for c in (0, 5, train.tokens[i].numel() - STEPS - 2):
+                want = torch.stack([batched[s][b, c + s] for s in range(STEPS)])
+                got = chain_outputs(loaded, train.features[i], train.tokens[i], c, STEPS)
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # Saved in bfloat16 by default, the engines' dtype.
+    assert load_draft_head(save_eagle3(head, tmp_path / "bf16", target_layers=2), target=tiny).fc.weight.dtype == \
+        torch.bfloat16
+
+
+def test_drafting_with_the_trained_head_is_greedy(tiny, answers, data, tmp_path):
+    head = fresh_head(tiny, answers)
+    train_eagle3(head, data[0], steps=STEPS, epochs=4, batch_size=4, lr=3e-3)
+    loaded = load_draft_head(save_eagle3(head, tmp_path / "e3", target_layers=2), target=tiny, dtype=torch.float32)
+    prompts = answers[0][:4]  # answers it was trained on: drafts get accepted
+    plain = generate(tiny, prompts, max_new_tokens=16)
+    spec = generate(tiny, prompts, max_new_tokens=16, drafter=EagleDrafter(loaded, budget=10), adaptive=False)
+    assert spec.tokens == plain.tokens
+    assert spec.mean_tree_size > 2 and spec.forward_passes < plain.forward_passes  # a trained head gets tokens accepted
+
+
+def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch, capsys):
+    from treeattn.cli import build_parser
+    from treeattn.cli import train_heads as cli
+
+    monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
+    (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
+    argv = ["train-heads", "--arch", "eagle3", "--prompts", str(tmp_path / "prompts.txt"), "--out",
+            str(tmp_path / "e3"), "--max-tokens", "6", "--epochs", "2", "--batch", "2", "--threads", "1",
+            "--depth", "2", "--vocab", "20"]
+    args = build_parser().parse_args([*argv, "--aux-layers", "2,0,1"])
+    assert args.run(args) == 0
+    head = load_draft_head(tmp_path / "e3", target=tiny)
+    assert head.config.aux_layers == AUX and head.config.vocab_size_draft == 20
+    meta = json.loads((tmp_path / "e3" / "config.json").read_text())["treeattn"]
+    assert len(meta["top1"]) == 2 and meta["prompts"] == 4 and meta["epochs"] == 2
+    assert not (tmp_path / "e3.ckpt").exists()  # removed once training ended
+    assert "draft step" in capsys.readouterr().out
+    for bad_args, flag in ((argv[1:], "--aux-layers"),  # a 2-layer target: EAGLE-3's defaults do not fit
+                           ([*argv[1:], "--aux-layers", "0,1,3"], "--aux-layers"),
+                           (["--aux-layers", "0,1,2"], "--aux-layers"),  # without --arch eagle3
+                           ([*argv[1:], "--aux-layers", "0,1,2", "--depth", "0"], "--depth")):
+        bad = build_parser().parse_args(argv[:1] + bad_args)
+        assert bad.run(bad) == 2
+        assert flag in capsys.readouterr().err
+    for bad_args in (["--arch", "eagle"], ["--arch", "eagle3", "--aux-layers", "1,2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv[:1] + bad_args)
+        assert bad_args[-2] in capsys.readouterr().err
