@@ -158,7 +158,7 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
         V::store(sr + i0, x);
         top = V::max(top, x);
       }
-      const float old = m[r], fresh = old > V::reduce_max(top) ? old : V::reduce_max(top);
+      const float old = m[r], top_max = V::reduce_max(top), fresh = old > top_max ? old : top_max;
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
       const float shift = fresh == -__builtin_inff() ? 0.0f : fresh;
       typename V::T sum = V::zero();
