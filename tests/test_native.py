@@ -74,13 +74,17 @@ def reference(batch, sm_scale: float = 0.125, **variants):
 
 
 def layouts(batch) -> dict[str, PagedKV]:
-    """The batch's TVM pages, and the same tokens as NHD, HND and strided views into one engine buffer."""
+    """The batch's TVM pages, and the same tokens as NHD, HND, strided views into one engine buffer, and
+    HND with each page's K stored dims-major (vLLM's CPU cache: K's head dims ``page_size`` elements apart)."""
     tvm = batch.extra["kv_pages"]  # [pages, 2, h_kv, page_size, d]
     nhd = tvm.permute(0, 1, 3, 2, 4).contiguous()  # [pages, 2, page_size, h_kv, d]: vLLM-style K/V views
+    dims_major = tvm[:, 0].transpose(2, 3).contiguous().transpose(2, 3)  # [pages, h_kv, page_size, d] view
+    assert dims_major.stride(-1) == tvm.shape[3]
     return {"TVM": PagedKV.wrap(tvm),
             "NHD": PagedKV.wrap((nhd[:, 0].contiguous(), nhd[:, 1].contiguous()), "NHD"),
             "HND": PagedKV.wrap((tvm[:, 0].contiguous(), tvm[:, 1].contiguous()), "HND"),
-            "views": PagedKV.wrap((nhd[:, 0], nhd[:, 1]), "NHD")}
+            "views": PagedKV.wrap((nhd[:, 0], nhd[:, 1]), "NHD"),
+            "K dims-major": PagedKV.wrap((dims_major, tvm[:, 1].contiguous()), "HND")}
 
 
 def test_every_simd_path_this_cpu_has():

@@ -3,7 +3,9 @@
 Every engine stores pages differently. treeattn reads all of them in place through one logical
 view: K and V as strided tensors of shape ``[num_pages, page_size, num_kv_heads, head_dim]`` whose
 last dimension is contiguous (vLLM's ``kv_cache_layout`` idea: one logical shape, a stride
-permutation per layout). The accepted inputs:
+permutation per layout); a pair's K alone may have strided head dims (vLLM's CPU cache stores each
+page's K dims-major, ``[h_kv, d, page_size]``: the CPU backends read it, Triton refuses it). The
+accepted inputs:
 
 - TVM's combined tensor ``[num_pages, 2, h_kv, page_size, d]`` (index 0 = K, 1 = V), the default;
 - ``(k_pages, v_pages)`` with ``kv_layout="NHD"``: each ``[num_pages, page_size, h_kv, d]``
@@ -14,7 +16,7 @@ permutation per layout). The accepted inputs:
 
 A token of a request sits in *slot* ``page_id * page_size + offset``; ``slots`` maps a page table
 and token positions to slots, and ``read``/``write``/``copy`` move tokens by slot. The kernels get
-the same addressing as three element strides per tensor (``PagedKV.strides``).
+the same addressing as three element strides per tensor (``PagedKV.strides``), and K's dim stride.
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ class SlotIndex(NamedTuple):
         return cls(s // page_size, s % page_size)
 
 
-def _check_pages(x, name: str, ndim: int) -> torch.Tensor:
+def _check_pages(x, name: str, ndim: int, strided_dims: bool = False) -> torch.Tensor:
+    """``strided_dims``: the head dims may lie any positive stride apart (K stored dims-major in each page,
+    as vLLM's CPU cache does); otherwise they must be contiguous."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-    if x.numel() and x.stride(-1) != 1:
+    if x.numel() and strided_dims and x.stride(-1) < 1:
+        raise ValueError(f"{name} must have a positive stride in its last dimension, got strides {x.stride()}")
+    if x.numel() and not strided_dims and x.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
     return x
 
@@ -91,7 +97,7 @@ class PagedKV:
             layout = "NHD" if kv_layout is None else kv_layout
             if layout not in ("NHD", "HND"):
                 raise ValueError(f"kv_layout must be 'NHD' or 'HND' for a (k_pages, v_pages) pair, got {kv_layout!r}")
-            k = _check_pages(kv_pages[0], "k_pages", 4)
+            k = _check_pages(kv_pages[0], "k_pages", 4, strided_dims=True)
             v = _check_pages(kv_pages[1], "v_pages", 4)
             if layout == "HND":
                 k, v = k.transpose(1, 2), v.transpose(1, 2)

@@ -86,6 +86,9 @@ def attention_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, 
     """``tree_attn_kernel`` over ``grid_work`` work items. ``k``/``v`` are ragged ``[L, h_kv, d]``
     (``page_size`` 0) or logical pages ``[P, page_size, h_kv, d]`` (``PagedKV.k``/``.v``), any strides; ``v``
     may have a head dim of its own (and be a view of ``k``). ``softcap``/``window`` 0: not used."""
+    if k.stride(-1) != 1:
+        raise ValueError(f"the Triton kernels read each key's head dims contiguous; K has strides {k.stride()} "
+                         "(dims-major pages, as vLLM's CPU cache): use a CPU backend for it")
     if page_size:
         (kp, kt, kh), (vp, vt, vh) = PagedKV.strides(k), PagedKV.strides(v)
     else:

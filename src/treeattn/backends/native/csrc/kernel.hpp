@@ -58,6 +58,15 @@ static inline void load_row(const void* base, int32_t dtype, int64_t off, int64_
   }
 }
 
+// n values `stride` elements apart from element offset off, as fp32: a key of a dims-major K (Problem::k_dim).
+static inline void load_strided(const void* base, int32_t dtype, int64_t off, int64_t n, int64_t stride, float* dst) {
+  if (stride == 1) return load_row(base, dtype, off, n, dst);
+  const float* f = static_cast<const float*>(base) + off;
+  const uint16_t* h = static_cast<const uint16_t*>(base) + off;
+  for (int64_t e = 0; e < n; ++e)
+    dst[e] = dtype == F32 ? f[e * stride] : dtype == BF16 ? bf16_to_float(h[e * stride]) : half_to_float(h[e * stride]);
+}
+
 // n fp32 values into base (from element offset off), rounded to dtype.
 static inline void store_row(void* base, int32_t dtype, int64_t off, int64_t n, const float* src) {
   if (dtype == F32) {
@@ -184,16 +193,16 @@ static inline int64_t panel_vectors(int64_t left) { return left == 1 ? 1 : (left
 // elements per key against 2 x rows x d FMAs.
 // Also prefetches the same rows of the next tile (up to `end`): in token-major layouts a head's
 // consecutive keys are h_kv * d apart, a stride the hardware prefetchers do not follow far enough.
-static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
-                      const Item& it, int64_t j0, int64_t count, int64_t end, float* tile) {
+static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t dim,
+                      int64_t width, const Item& it, int64_t j0, int64_t count, int64_t end, float* tile) {
   const int64_t bytes = width * (p.dtype == F32 ? 4 : 2);
   for (int64_t i = 0; i < count; ++i) {
-    if (j0 + KEY_TILE + i < end) {
+    if (dim == 1 && j0 + KEY_TILE + i < end) {
       const char* next = static_cast<const char*>(base) +
                          key_offset(p, it.b, j0 + KEY_TILE + i, page, tok, head, it.h) * (bytes / width);
       for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + c);
     }
-    load_row(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, tile + i * width);
+    load_strided(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, dim, tile + i * width);
   }
 }
 
@@ -270,8 +279,8 @@ static void run_item(const Problem& p, const Item& it, float* scratch) {
   const typename V::T cap = V::set1(p.cap2);
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += KEY_TILE) {
     const int64_t count = imin(KEY_TILE, it.c1 - j0), padded = (count + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
-    pack_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, it.c1, kbuf);
-    if (!p.v_in_k) pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, it.c1, vbuf);
+    pack_tile(p, p.k, p.k_page, p.k_tok, p.k_head, p.k_dim, d, it, j0, count, it.c1, kbuf);
+    if (!p.v_in_k) pack_tile(p, p.v, p.v_page, p.v_tok, p.v_head, 1, dv, it, j0, count, it.c1, vbuf);
     for (int64_t i = count * d; i < padded * d; ++i) kbuf[i] = 0.0f;  // padding keys: finite scores, never used
     // Visibility, only on tiles holding keys some row cannot see: tree keys (key of node a is visible to
     // row of node u iff enter[a] <= enter[u] < exit[a]) and, with a window, the window's edge (key at

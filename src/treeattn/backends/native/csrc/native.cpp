@@ -281,7 +281,8 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 const at::Tensor& order, const at::Tensor& pages, int64_t page_size, double sm_scale,
                 const at::Tensor& out, const at::Tensor& lse) {
   check_rows(q, "q");
-  check_rows(k, "k");
+  // K's head dims may be strided (vLLM's CPU cache keeps each page's K dims-major); every other row is contiguous.
+  TORCH_CHECK(k.device().is_cpu() && (k.numel() == 0 || k.stride(-1) >= 1), "k must be on the CPU with positive strides");
   check_rows(v, "v");
   check_rows(out, "out");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && lse.dim() == 2, "q/out must be [rows, heads, d], lse [rows, heads]");
@@ -304,6 +305,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   p.k_page = paged ? k.stride(0) : 0;
   p.k_tok = k.stride(o);
   p.k_head = k.stride(o + 1);
+  p.k_dim = k.numel() ? k.stride(-1) : 1;
   p.v = v.data_ptr();
   p.v_page = paged ? v.stride(0) : 0;
   p.v_tok = v.stride(o);
@@ -322,7 +324,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   p.dv = v.size(o + 2);
   TORCH_CHECK(k.size(o + 2) == p.d && out.size(2) == p.dv && out.size(1) == q.size(1), "head dims disagree");
   // MLA's absorbed form: V is K's first dv dims (same storage and strides), read from the K tile.
-  p.v_in_k = p.dv <= p.d && v.data_ptr() == k.data_ptr() && p.v_page == p.k_page && p.v_tok == p.k_tok &&
+  p.v_in_k = p.dv <= p.d && p.k_dim == 1 && v.data_ptr() == k.data_ptr() && p.v_page == p.k_page && p.v_tok == p.k_tok &&
              p.v_head == p.k_head;
   p.q_scale = float(sm_scale / std::log(2.0));
   p.page_size = page_size;
@@ -369,8 +371,10 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     for (int64_t i = 0; i < flat.numel(); ++i) sinks2[size_t(i)] = float(flat.data_ptr<float>()[i] / std::log(2.0));
     p.sinks2 = sinks2.data();
   }
-  p.b_pairs = is_brgemm(isa) && p.dtype != F32 && brgemm_b_pairs(p.dtype);
-  run(p, meta.size(1), isa);
+  // The brgemm paths pack K from contiguous rows: a dims-major K runs the same CPU's FMA path instead.
+  const std::string path = p.k_dim != 1 && is_brgemm(isa) ? isa.substr(std::string("brgemm-").size()) : isa;
+  p.b_pairs = is_brgemm(path) && p.dtype != F32 && brgemm_b_pairs(p.dtype);
+  run(p, meta.size(1), path);
 }
 
 // Base-2 LSE merge of two partial results, elementwise over rows x heads; out/lse may alias a.

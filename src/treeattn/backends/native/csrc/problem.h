@@ -32,6 +32,7 @@ struct Problem {
   int64_t q_row, q_head;
   const void* k;  // key j of a request: see key_offset
   int64_t k_page, k_tok, k_head;
+  int64_t k_dim;  // element stride between a key's head dims: 1, or a page's keys apart in vLLM's CPU cache
   const void* v;
   int64_t v_page, v_tok, v_head;
   void* out;  // [total_q, h_q, dv] in dtype
@@ -80,19 +81,24 @@ static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t
 // Prefetches the K and V rows of keys [j0, j0 + KEY_TILE) of item `it` (up to it.c1): the hardware
 // prefetchers stop at every 4 KiB page and lose token-major layouts' strides, so that the misses of a
 // tile would otherwise come one row at a time as the kernel reaches them.
-static inline void prefetch_tile(const Problem& p, const Item& it, int64_t j0) {
-  const int64_t bytes = p.dtype == F32 ? 4 : 2, end = j0 + KEY_TILE < it.c1 ? j0 + KEY_TILE : it.c1;
+template <int LOCALITY = 3>
+static inline void prefetch_keys(const Problem& p, const Item& it, int64_t j0, int64_t j1) {
+  const int64_t bytes = p.dtype == F32 ? 4 : 2, end = j1 < it.c1 ? j1 : it.c1;
   for (int64_t j = j0; j < end;) {  // one page at a time: its rows are evenly spaced
     const int64_t stop = p.page_size == 0 || (j / p.page_size + 1) * p.page_size > end ? end
                                                                                        : (j / p.page_size + 1) * p.page_size;
     const char* k = static_cast<const char*>(p.k) + key_offset(p, it.b, j, p.k_page, p.k_tok, p.k_head, it.h) * bytes;
     const char* v = static_cast<const char*>(p.v) + key_offset(p, it.b, j, p.v_page, p.v_tok, p.v_head, it.h) * bytes;
+    if (p.k_dim != 1)  // dims-major K: each dim's keys of this page run are contiguous
+      for (int64_t c = 0; c < p.d; ++c)
+        for (int64_t e = 0; e < (stop - j) * bytes; e += 64) __builtin_prefetch(k + c * p.k_dim * bytes + e, 0, LOCALITY);
     for (; j < stop; ++j, k += p.k_tok * bytes, v += p.v_tok * bytes) {
-      for (int64_t c = 0; c < p.d * bytes; c += 64) __builtin_prefetch(k + c);
-      for (int64_t c = 0; !p.v_in_k && c < p.dv * bytes; c += 64) __builtin_prefetch(v + c);
+      for (int64_t c = 0; p.k_dim == 1 && c < p.d * bytes; c += 64) __builtin_prefetch(k + c, 0, LOCALITY);
+      for (int64_t c = 0; !p.v_in_k && c < p.dv * bytes; c += 64) __builtin_prefetch(v + c, 0, LOCALITY);
     }
   }
 }
+static inline void prefetch_tile(const Problem& p, const Item& it, int64_t j0) { prefetch_keys(p, it, j0, j0 + KEY_TILE); }
 
 // Floats of scratch one thread needs for items of this problem with at most `rows` query rows: the
 // FMA kernel's (kernel.hpp).
@@ -108,7 +114,7 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
 // Items of at most FEW_ROWS rows (at most MAX_LANES) run kernel_rows.hpp's run_rows, in this much.
 static inline int64_t few_rows_floats(const Problem& p, int64_t rows) {
   const int64_t dp = (p.d + MAX_LANES - 1) / MAX_LANES * MAX_LANES, dvp = (p.dv + MAX_LANES - 1) / MAX_LANES * MAX_LANES;
-  return rows * (dp + 2 * KEY_TILE + dvp + 4)  // Q, scores, visibility, O, and m, l, enter, window start
+  return rows * (dp + 2 * KEY_TILE + dvp + 5)  // Q, scores, visibility, O, and m, l, alpha, enter, window start
          + 4 * KEY_TILE                          // each key's visibility bounds
          + KEY_TILE * (dp + dvp);                // a tile of K and V rows in fp32
 }
