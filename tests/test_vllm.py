@@ -128,9 +128,10 @@ VARIANTS = {"plain": {}, "window": {"sliding_window": 8}, "softcap": {"logits_so
                          ids=lambda x: str(x))
 def test_one_mixed_step_matches_cpu_attn_kernels(kernels, variant):
     """Prefill, decode, verification and an idle request in one step, with each attention variant vLLM
-    passes (sliding window, soft-cap, sinks): each backend writes the same K/V with its own writer into
-    its own pages, then attends; the outputs agree. (The pages are
-    not byte-identical: CPU_ATTN stores K transposed within a block for its kernels.)
+    passes (sliding window, soft-cap, sinks): each backend writes the same K/V into its own pages, then
+    attends; the outputs agree. With treeattn's CPU kernels the pages are vLLM's own cells (K dims-major,
+    written by vLLM's store), treeattn's kernels read them for a tree step, and a step without trees runs
+    vLLM's own kernel: bit-identical to CPU_ATTN.
     ``kernels="triton"`` is the CUDA path's kernels, run on the CPU by Triton's interpreter, which
     must be chosen before triton is imported: that case reruns this test in a fresh process."""
     if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -147,7 +148,7 @@ def test_one_mixed_step_matches_cpu_attn_kernels(kernels, variant):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
 
-    from treeattn.vllm.backend import TreeAttentionImpl, TreeAttentionMetadata
+    from treeattn.vllm.backend import TreeAttentionImpl, TreeAttentionMetadata, _VllmStep
     from treeattn.vllm.batch import step_plan
 
     h_q, h_kv, d, bs, blocks, scale = 4, 2, 32, 32, 16, 0.2
@@ -171,13 +172,13 @@ def test_one_mixed_step_matches_cpu_attn_kernels(kernels, variant):
     theirs.__dict__.update(attn_type="decoder", use_zentorch_sdpa=False, sinks=variants.get("sinks"), scale=scale,
                            alibi_slopes=None, sliding_window=window,
                            logits_soft_cap=variants.get("logits_soft_cap", 0), kv_cache_dtype="auto")
-    cache = torch.zeros(blocks, h_kv, bs, 2 * d)
-    theirs.do_kv_cache_update(layer, k, v, cache, slots)
+    their_cache = torch.zeros(blocks, h_kv, bs, 2 * d)
+    theirs.do_kv_cache_update(layer, k, v, their_cache, slots)
     scheduler = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=4, num_heads=h_q, num_kv_heads=h_kv, head_dim=d, seq_lens=seq_lens, dtype=torch.float32,
         query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=True)
     expected = torch.zeros_like(q)
-    theirs.forward(layer, q, None, None, cache, CPUAttentionMetadata(
+    theirs.forward(layer, q, None, None, their_cache, CPUAttentionMetadata(
         num_actual_tokens=q.shape[0], max_query_len=40, query_start_loc=qsl, max_seq_len=71, seq_lens=seq_lens,
         block_table=table, slot_mapping=slots, scheduler_metadata=scheduler), expected)
 
@@ -188,6 +189,12 @@ def test_one_mixed_step_matches_cpu_attn_kernels(kernels, variant):
     plan = step_plan(qsl, seq_lens, table, page_size=bs, num_pages=blocks)
     out = torch.full_like(q, float("nan"))
     ours.forward(layer, q, None, None, cache, TreeAttentionMetadata(plan, q.shape[0]), out)
+    if kernels is None:  # vLLM's cells, and vLLM's kernel for a step without trees
+        assert torch.equal(cache, their_cache)
+        plain = torch.full_like(q, float("nan"))
+        step = _VllmStep(isa, qsl, seq_lens, table, scheduler)
+        ours.forward(layer, q, None, None, cache, TreeAttentionMetadata(None, q.shape[0], vllm=step), plain)
+        assert torch.equal(plain, expected)
     # Two fp32 kernels (and CPU_ATTN runs other code on AVX-512 than on AVX2) need not agree to a fixed
     # bound: both are measured against float64, and ours may err by CPU_ATTN's own error on this CPU plus
     # 8 fp32 ulps of the outputs' scale (~2.5e-6 here; both err 3e-7 to 3e-6 on Zen 5, the larger with

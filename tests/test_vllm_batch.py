@@ -39,11 +39,13 @@ def dense_attention(q, k, v, scale, parents=None):
 
 
 @pytest.mark.parametrize("backend", available_backends())
-@pytest.mark.parametrize("chunk", [512, 3])
-def test_mixed_step_is_causal_and_tree_attention(chunk, backend, one_thread):
+@pytest.mark.parametrize("chunk, dims_major", [(512, False), (3, False), (3, True)])
+def test_mixed_step_is_causal_and_tree_attention(chunk, dims_major, backend, one_thread):
+    if dims_major and backend == "triton":
+        pytest.skip("Triton reads K rows: a dims-major K (vLLM's CPU cells) is refused, tested below")
     gen = torch.Generator().manual_seed(0)
     cache = torch.zeros(BLOCKS, H_KV, PAGE, 2 * D)  # one layer of vLLM's CPU_ATTN pages
-    pages = PagedKV.wrap(split_kv_cache(cache), "HND")
+    pages = PagedKV.wrap(split_kv_cache(cache, dims_major), "HND")
     free = iter(torch.randperm(BLOCKS, generator=gen).tolist())
     table = np.zeros((len(REQUESTS), 8), dtype=np.int32)
     qs, refs, slot_ids, new_k, new_v = [], [], [], [], []
@@ -63,25 +65,26 @@ def test_mixed_step_is_causal_and_tree_attention(chunk, backend, one_thread):
     seq_lens = np.array([c + n for c, n in REQUESTS])
     plan = step_plan(torch.from_numpy(query_start_loc).int(), torch.from_numpy(seq_lens).int(),
                      torch.from_numpy(table), page_size=PAGE, num_pages=BLOCKS, trees=TREES, chunk=chunk)
-    out, _ = paged_tree_attention(torch.cat(qs), None, split_kv_cache(cache), None, None, None, None, None,
+    out, _ = paged_tree_attention(torch.cat(qs), None, split_kv_cache(cache, dims_major), None, None, None, None, None,
                                   kv_layout="HND", sm_scale=0.3, plan=plan, backend=backend)
     torch.testing.assert_close(out.double(), torch.cat(refs), atol=1e-5, rtol=1e-5)
     assert plan.batch_size == (len(REQUESTS) if chunk == 512 else 3 + 1 + 2 + 1 + 5 + 1 + 1)  # a tree is one piece
 
 
-def test_move_tokens_copies_k_and_v_between_slots():
+@pytest.mark.parametrize("dims_major", [False, True])
+def test_move_tokens_copies_k_and_v_between_slots(dims_major):
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(4, H_KV, PAGE, 2 * D, generator=gen)
-    pages = PagedKV.wrap(split_kv_cache(cache), "HND")
+    pages = PagedKV.wrap(split_kv_cache(cache, dims_major), "HND")
     src, dst = torch.tensor([9, 14, 30]), torch.tensor([8, 9, 10])  # 9 is read before it is overwritten
     want_k, want_v = pages.read(src)
     untouched = cache.clone()
-    move_tokens(cache, src, dst)
+    move_tokens(cache, src, dst, dims_major)
     k, v = pages.read(dst)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     others = torch.ones(4 * PAGE, dtype=torch.bool)
     others[dst] = False
-    k_all, v_all = PagedKV.wrap(split_kv_cache(untouched), "HND").read(torch.arange(4 * PAGE)[others])
+    k_all, v_all = PagedKV.wrap(split_kv_cache(untouched, dims_major), "HND").read(torch.arange(4 * PAGE)[others])
     assert torch.equal(pages.read(torch.arange(4 * PAGE)[others])[0], k_all)
     assert torch.equal(pages.read(torch.arange(4 * PAGE)[others])[1], v_all)
 
@@ -92,6 +95,16 @@ def test_split_kv_cache_is_a_view_of_k_rows_then_v_rows():
     assert k.data_ptr() == cache.data_ptr() and k.shape == v.shape == (2, 3, 4, 5)
     flat = cache.view(2, 3, 40)
     assert torch.equal(k.reshape(2, 3, 20), flat[..., :20]) and torch.equal(v.reshape(2, 3, 20), flat[..., 20:])
+
+
+def test_split_kv_cache_dims_major_reads_k_as_vllms_cpu_kernels_store_it():
+    """vLLM's vec / vec16 CPU kernels keep a cell's K as [head_size, block_size], then V as rows."""
+    cache = torch.arange(2 * 3 * 4 * 2 * 5, dtype=torch.float32).view(2, 3, 4, 10)
+    k, v = split_kv_cache(cache, dims_major=True)
+    assert k.shape == v.shape == (2, 3, 4, 5) and k.stride(-1) == 4
+    flat = cache.view(2, 3, 40)
+    assert torch.equal(k.transpose(2, 3).reshape(2, 3, 20), flat[..., :20])
+    assert torch.equal(v.reshape(2, 3, 20), flat[..., 20:])
 
 
 @pytest.mark.parametrize("query_start_loc, seq_lens, blocks, trees, match", [

@@ -1,14 +1,16 @@
 """treeattn as a vLLM attention backend (the contract of ``vllm/v1/attention/backend.py``, vLLM 0.32).
 
 - **Cache**: vLLM allocates it as for ``CPU_ATTN`` (layout ``LBHNC``, one ``[num_blocks, h_kv,
-  block_size, 2 * head_size]`` tensor per layer); ``batch.split_kv_cache`` views each
-  ``(block, head)`` cell as plain K rows then V rows, treeattn's ``HND`` pair, so the kernels read
-  and write vLLM's tensor in place. Inside a cell the bytes differ from ``CPU_ATTN``'s (which packs
-  K per CPU ISA, e.g. transposed), so tools that parse ``CPU_ATTN`` pages (its NIXL connector) do
-  not apply.
+  block_size, 2 * head_size]`` tensor per layer). Where vLLM's own CPU kernel is its ``vec`` /
+  ``vec16`` one (fp32 on x86, 16-bit without AMX; ``shared_cpu_isa``), the cells are exactly vLLM's
+  (K dims-major, then V rows), written by vLLM's own store op: a step without draft trees (prefills,
+  plain decoding, a step the gate kept plain) runs vLLM's own kernel, so it costs what plain vLLM
+  costs, and treeattn's kernels read the same cells for tree steps (K through its dim stride).
+  Elsewhere (CUDA, vLLM's ``amx`` packing, forced ``kernels``) each cell is treeattn's own: K rows
+  then V rows, and every step runs treeattn. ``batch.split_kv_cache`` views either as an ``HND`` pair.
 - **Builder**: once per step, vLLM's batch becomes one ``TreeAttentionPlan`` (``batch.step_plan``),
   shared by every layer of the KV cache group; with tree speculation (``treeattn.vllm.speculative``)
-  the requests' draft trees go into it.
+  the requests' draft trees go into it. A plain step on vLLM's cells builds vLLM's metadata instead.
 - **Impl**: ``do_kv_cache_update`` stores the new K/V by vLLM's ``slot_mapping``; ``forward`` is
   one call into vLLM's output buffer: the first layer of a step checks and dispatches it
   (``prepare_paged_tree_attention``), every layer runs it with no other host work.
@@ -20,7 +22,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
+from vllm import _custom_ops as vllm_ops
+from vllm import envs
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
@@ -34,12 +39,14 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..layout import PagedKV, SlotIndex
 from ..ops import prepare_paged_tree_attention
 from ..plan import TreeAttentionPlan
-from .batch import split_kv_cache, step_plan
+from .batch import move_tokens, split_kv_cache, step_plan
 from .speculative import step_trees
 
 logger = init_logger("vllm.treeattn")
@@ -57,14 +64,46 @@ class _DropThreadWarning(logging.Filter):
 logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_DropThreadWarning())
 
 
+def shared_cpu_isa(dtype: torch.dtype, block_size: int, head_size: int, device: torch.device | str,
+                   kernels: str | None = None) -> str | None:
+    """The ISA of vLLM's own CPU kernel for this cache when treeattn shares its cells, else None.
+
+    vLLM's ``vec`` and ``vec16`` kernels keep a cell's K dims-major and its V as rows, which treeattn's
+    CPU kernels read; its ``amx`` kernel packs K in tiles of its own. A forced ``TreeAttentionImpl.kernels``
+    (``kernels``, e.g. Triton, which needs K rows) keeps treeattn's own cells."""
+    if torch.device(device).type != "cpu" or kernels is not None:
+        return None
+    if head_size not in CPUAttentionBackend.get_supported_head_sizes():
+        return None
+    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+    return isa if (isa == "vec" and block_size % 32 == 0) or (isa == "vec16" and block_size % 16 == 0) else None
+
+
+def _is_chain(parents) -> bool:
+    """A tree that is a chain over the new tokens is causal attention: vLLM's kernel computes it."""
+    return parents is None or len(parents) <= 1 or bool((np.asarray(parents) == np.arange(-1, len(parents) - 1)).all())
+
+
+@dataclass(frozen=True)
+class _VllmStep:
+    """A step without draft trees on vLLM's own cells, as vLLM's CPU kernel takes it."""
+
+    isa: str
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+
+
 @dataclass
 class TreeAttentionMetadata(AttentionMetadata):
-    plan: TreeAttentionPlan
+    plan: TreeAttentionPlan | None  # None: a step run by vLLM's own kernel (``vllm``)
     num_actual_tokens: int  # rows vLLM may pad past the plan's are left untouched
     # The step's attention call, checked and dispatched by the first layer and run by every layer
     # alike (with an LSE buffer they share: vLLM reads only the output), by the layers' common shape.
     calls: dict = field(default_factory=dict)
     store: _StoreIndex | None = None  # where this step's new K/V go, for every layer
+    vllm: _VllmStep | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +123,17 @@ class _StoreIndex:
         return cls((slot_mapping.data_ptr(), slot_mapping.shape[0]), rows, SlotIndex(slot // page_size, slot % page_size))
 
 
+@dataclass(frozen=True)
+class _Cells:
+    """A layer's cache: ``pages`` as treeattn reads it; ``vllm_views`` the ``(key_cache, value_cache)`` views
+    vLLM's own CPU ops take, used when ``isa`` (``shared_cpu_isa``) is not None."""
+
+    key: tuple
+    isa: str | None
+    pages: PagedKV
+    vllm_views: tuple[torch.Tensor, torch.Tensor]
+
+
 class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER  # the plan is host work
 
@@ -92,6 +142,14 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.page_size = kv_cache_spec.block_size
         self._layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        dtype = vllm_config.model_config.dtype
+        self.isa = shared_cpu_isa(dtype, self.page_size, kv_cache_spec.head_size, device, TreeAttentionImpl.kernels)
+        if self.isa is not None:  # what vLLM's own builder gives its kernel
+            self._heads = get_num_attention_heads_from_layers(vllm_config, layer_names) or \
+                vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+            windows = {getattr(layer.impl, "sliding_window", None) for layer in self._layers.values()}
+            self._window = (next(iter(windows)) or -1) if len(windows) == 1 else -1
+            self._dtype, self._head_size, self._kv_heads = dtype, kv_cache_spec.head_size, kv_cache_spec.num_kv_heads
 
     def _num_pages(self) -> int:
         # The group's layers share one block pool: any layer's cache tells how many pages exist.
@@ -103,11 +161,19 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         m = common_attn_metadata
         if isinstance(m.causal, torch.Tensor) or not m.causal:
             raise NotImplementedError("treeattn's vLLM backend serves causal decoder attention only")
+        trees = step_trees(m.num_reqs)
+        if self.isa is not None and (trees is None or all(_is_chain(t) for t in trees)):
+            schedule = vllm_ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=m.num_reqs, num_heads=self._heads, num_kv_heads=self._kv_heads, head_dim=self._head_size,
+                seq_lens=m.seq_lens, dtype=self._dtype, query_start_loc=m.query_start_loc, causal=True,
+                sliding_window_size=self._window, isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=None, kv_cache_dtype="auto")
+            step = _VllmStep(self.isa, m.query_start_loc, m.seq_lens, m.block_table_tensor, schedule)
+            return TreeAttentionMetadata(plan=None, num_actual_tokens=m.num_actual_tokens, vllm=step)
         plan = step_plan(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
-                         page_size=self.page_size, num_pages=self._num_pages(), trees=step_trees(m.num_reqs),
-                         device=self.device)
-        return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens,
-                                     store=_StoreIndex.build(m.slot_mapping, self.page_size))
+                         page_size=self.page_size, num_pages=self._num_pages(), trees=trees, device=self.device)
+        store = None if self.isa is not None else _StoreIndex.build(m.slot_mapping, self.page_size)  # vLLM's op stores
+        return TreeAttentionMetadata(plan=plan, num_actual_tokens=m.num_actual_tokens, store=store)
 
 
 class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
@@ -138,19 +204,32 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self._pages: tuple[tuple, PagedKV] | None = None  # this layer's cache seen as pages, made once
+        self._cells: _Cells | None = None  # this layer's cache as treeattn and vLLM see it, made once
         logger.info_once("Using treeattn attention backend.")
 
-    def _paged(self, kv_cache: torch.Tensor) -> PagedKV:
-        """The layer's cache as treeattn pages; vLLM hands the same tensor every step."""
+    def _cache(self, kv_cache: torch.Tensor) -> _Cells:
+        """The layer's cache seen as pages; vLLM hands the same tensor every step."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
-        if self._pages is None or self._pages[0] != key:
-            self._pages = (key, PagedKV.wrap(split_kv_cache(kv_cache), "HND"))
-        return self._pages[1]
+        if self._cells is None or self._cells.key != key:
+            isa = shared_cpu_isa(kv_cache.dtype, kv_cache.shape[2], kv_cache.shape[3] // 2, kv_cache.device,
+                                 self.kernels)
+            self._cells = _Cells(key, isa, PagedKV.wrap(split_kv_cache(kv_cache, isa is not None), "HND"),
+                                 split_kv_cache(kv_cache))
+        return self._cells
+
+    def move_tokens(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the K/V of ``src_slots`` to ``dst_slots`` in this layer's cache (a tree step's accepted path)."""
+        move_tokens(kv_cache, src_slots, dst_slots, self._cache(kv_cache).isa is not None)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        pages = self._paged(kv_cache)
+        cells = self._cache(kv_cache)
+        if cells.isa is not None:  # vLLM's cells: vLLM's own store
+            vllm_ops.cpu_attn_reshape_and_cache(key, value, *cells.vllm_views, slot_mapping, cells.isa,
+                                                k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                                kv_cache_dtype="auto")
+            return
+        pages = cells.pages
         # The step's store index, built once by the builder from this same mapping; else built here.
         metadata = get_forward_context().attn_metadata if is_forward_context_available() else None
         if isinstance(metadata, dict):
@@ -172,8 +251,10 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             raise NotImplementedError("treeattn's vLLM backend does not fuse output quantization")
         if attn_metadata is None:  # vLLM's profiling run: no batch, nothing to attend
             return output
+        if attn_metadata.plan is None:
+            return self._vllm_forward(layer, query, kv_cache, attn_metadata, output)
         plan, rows = attn_metadata.plan, attn_metadata.plan.total_q
-        q, pages = query[:rows], self._paged(kv_cache)
+        q, pages = query[:rows], self._cache(kv_cache).pages
         key = (tuple(q.shape), q.dtype, self.scale, self.kernels, self.sliding_window, self.logit_softcap,
                None if self.sinks is None else id(self.sinks))
         if key not in attn_metadata.calls:  # index arrays None: the plan's own (built once per step)
@@ -184,6 +265,22 @@ class TreeAttentionImpl(AttentionImpl[TreeAttentionMetadata]):
             attn_metadata.calls[key] = call, torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         call, lse = attn_metadata.calls[key]
         call.run(q, pages, out=output[:rows], lse=lse)
+        return output
+
+    def _vllm_forward(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TreeAttentionMetadata,
+                      output: torch.Tensor) -> torch.Tensor:
+        """A step without trees on vLLM's cells: vLLM's own CPU kernel, as its ``CPU_ATTN`` backend calls it."""
+        step, n = metadata.vllm, metadata.num_actual_tokens
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype not in (torch.bfloat16, torch.float32):
+            sinks = sinks.float()
+        k_cache, v_cache = self._cache(kv_cache).vllm_views
+        vllm_ops.cpu_attention_with_kv_cache(
+            query=query[:n], key_cache=k_cache, value_cache=v_cache, output=output[:n],
+            query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=self.sliding_window or -1, block_table=step.block_table,
+            softcap=self.logit_softcap or 0.0, scheduler_metadata=step.scheduler_metadata, s_aux=sinks,
+            dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype="auto")
         return output
 
 

@@ -1,9 +1,10 @@
 """vLLM's cache and batch as treeattn sees them (no vLLM import: testable on its own).
 
 vLLM 0.32 allocates each layer's cache as for ``CPU_ATTN`` (layout ``LBHNC``):
-``[num_blocks, h_kv, block_size, 2 * head_size]``. treeattn keeps a ``(block, head)`` cell as the
-block's K rows, then its V rows (``CPU_ATTN`` packs K its own way), and ``split_kv_cache`` views
-that as treeattn's ``HND`` ``(k, v)`` pair, without a copy.
+``[num_blocks, h_kv, block_size, 2 * head_size]``. A ``(block, head)`` cell holds the block's K, then
+its V rows; K is either rows too (treeattn's own cell) or dims-major, ``[head_size, block_size]``, as
+vLLM's own ``vec`` / ``vec16`` CPU kernels store it (``dims_major``). ``split_kv_cache`` views either
+as treeattn's ``HND`` ``(k, v)`` pair, without a copy.
 
 vLLM describes a step by ``query_start_loc`` (new tokens per request), ``seq_lens`` (cached +
 new tokens) and a block table (page ids per request, page = block). Its attention is causal, and
@@ -36,16 +37,20 @@ from ..tree import encode_trees
 __all__ = ["move_tokens", "split_kv_cache", "step_plan"]
 
 
-def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k, v)``, each ``[num_blocks, h_kv, block_size, head_size]`` (HND), views of one layer's cache."""
+def split_kv_cache(kv_cache: torch.Tensor, dims_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)``, each ``[num_blocks, h_kv, block_size, head_size]`` (HND), views of one layer's cache;
+    with ``dims_major`` K's head dims lie ``block_size`` elements apart (each cell's K is ``[d, block_size]``)."""
     blocks, heads, block_size, two_d = kv_cache.shape
     k, v = kv_cache.view(blocks, heads, 2 * block_size, two_d // 2).chunk(2, dim=2)
+    if dims_major:
+        k = k.as_strided(k.shape, (k.stride(0), k.stride(1), 1, block_size))
     return k, v
 
 
-def move_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+def move_tokens(kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                dims_major: bool = False) -> None:
     """Copy the K/V of ``src_slots`` to ``dst_slots`` in one layer's cache (all sources read first)."""
-    PagedKV.wrap(split_kv_cache(kv_cache), "HND").copy(src_slots, dst_slots)
+    PagedKV.wrap(split_kv_cache(kv_cache, dims_major), "HND").copy(src_slots, dst_slots)
 
 
 def _host(x, name: str) -> np.ndarray:

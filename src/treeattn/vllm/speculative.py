@@ -65,7 +65,6 @@ from ..speculative.adaptive import AdaptiveDrafter, LearningDrafter, StepGate, m
 from ..speculative.choice import DRAFTERS, build_drafter, heads_file
 from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
-from .batch import move_tokens
 
 __all__ = ["ADDITIONAL_CONFIG_KEY", "DRAFTER_ENV_VAR", "PROPOSER", "TREES_ENV_VAR", "VLLM_VERSION", "DrafterByName",
            "TreeOptions", "TreeProposer", "configured_drafter", "install_sampling_params_hook", "plain_decoding_reason",
@@ -456,8 +455,9 @@ def _verify(step: _Step, runner, logits: torch.Tensor, metadata):
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs), paths
 
 
-def _commit(step: _Step, paths: list[list[int]], kv_caches: list[torch.Tensor]) -> None:
-    """Copy each accepted path's K/V to the slots right after the prefix (node at depth d -> row d)."""
+def _commit(step: _Step, paths: list[list[int]], layers) -> None:
+    """Copy each accepted path's K/V to the slots right after the prefix (node at depth d -> row d), in
+    every attention layer's cache, by the layer's backend (which owns the cache's layout)."""
     src, dst = [], []
     for b, path in enumerate(paths):
         for depth, node in enumerate(path):
@@ -468,10 +468,15 @@ def _commit(step: _Step, paths: list[list[int]], kv_caches: list[torch.Tensor]) 
         return
     src_slots, dst_slots = step.slots[torch.tensor(src)], step.slots[torch.tensor(dst)]
     seen = set()
-    for cache in kv_caches:  # layers that share a cache appear more than once: move each cache once
-        if cache.data_ptr() not in seen:
-            seen.add(cache.data_ptr())
-            move_tokens(cache, src_slots.to(cache.device), dst_slots.to(cache.device))
+    for layer in layers:
+        cache = getattr(layer, "kv_cache", None)
+        if not isinstance(cache, torch.Tensor) or cache.numel() == 0 or cache.data_ptr() in seen:
+            continue  # layers that share a cache appear more than once: move each cache once
+        if not hasattr(getattr(layer, "impl", None), "move_tokens"):
+            raise RuntimeError(f"layer {getattr(layer, 'layer_name', layer)} keeps a KV cache but its attention is "
+                               f"{type(getattr(layer, 'impl', None)).__name__}, not treeattn's: its tree tokens cannot be committed")
+        seen.add(cache.data_ptr())
+        layer.impl.move_tokens(cache, src_slots.to(cache.device), dst_slots.to(cache.device))
 
 
 # ---------------------------------------------------------------------------------------------- vLLM hooks
@@ -586,7 +591,7 @@ def _install_runner_hooks() -> None:
             return sample(self, logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
         output, paths = _verify(step, self, logits, spec_decode_metadata)
-        _commit(step, paths, self.kv_caches)
+        _commit(step, paths, self.compilation_config.static_forward_context.values())
         rows = self.drafter._hidden_rows  # the last accepted node's row chose the bonus token
         for b, (tree, path) in enumerate(zip(step.trees, paths)):
             if tree is not None:
