@@ -144,12 +144,28 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
         self._layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         dtype = vllm_config.model_config.dtype
         self.isa = shared_cpu_isa(dtype, self.page_size, kv_cache_spec.head_size, device, TreeAttentionImpl.kernels)
+        self._heads = get_num_attention_heads_from_layers(vllm_config, layer_names) or \
+            vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        self._dtype, self._head_size, self._kv_heads = dtype, kv_cache_spec.head_size, kv_cache_spec.num_kv_heads
         if self.isa is not None:  # what vLLM's own builder gives its kernel
-            self._heads = get_num_attention_heads_from_layers(vllm_config, layer_names) or \
-                vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
             windows = {getattr(layer.impl, "sliding_window", None) for layer in self._layers.values()}
             self._window = (next(iter(windows)) or -1) if len(windows) == 1 else -1
-            self._dtype, self._head_size, self._kv_heads = dtype, kv_cache_spec.head_size, kv_cache_spec.num_kv_heads
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One tiny tree step through the kernels this engine will run, now: a first use builds or loads the
+        native kernel and checks its brgemm path (seconds, on a first build minutes), which inside a
+        served step would stall the requests and teach the step gate that trees cost that much."""
+        if self.device.type != "cpu":
+            return
+        size, heads, kv_heads, d = self.page_size, self._heads, self._kv_heads, self._head_size
+        cache = torch.randn(2, kv_heads, size, 2 * d).to(self._dtype)
+        pages = PagedKV.wrap(split_kv_cache(cache, self.isa is not None), "HND")
+        plan = step_plan(torch.tensor([0, 3]), torch.tensor([size + 3]), torch.tensor([[0, 1]]), page_size=size,
+                         num_pages=2, trees=[np.array([-1, 0, 0])])
+        q = torch.randn(3, heads, d).to(self._dtype)
+        prepare_paged_tree_attention(q, pages, sm_scale=d ** -0.5, plan=plan, backend=TreeAttentionImpl.kernels
+                                     ).run(q, pages)
 
     def _num_pages(self) -> int:
         # The group's layers share one block pool: any layer's cache tells how many pages exist.
