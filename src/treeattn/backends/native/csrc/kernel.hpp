@@ -67,6 +67,10 @@ static inline void load_strided(const void* base, int32_t dtype, int64_t off, in
     dst[e] = dtype == F32 ? f[e * stride] : dtype == BF16 ? bf16_to_float(h[e * stride]) : half_to_float(h[e * stride]);
 }
 
+// dst[c * dst_ld + r] = src[r * src_ld + c] for r < rows, c < cols: defined by each translation unit (x86.hpp
+// in 8 x 8 blocks of vector registers, kernel_generic.cpp one value at a time).
+static void transpose_block(const float* src, int64_t src_ld, int64_t rows, int64_t cols, float* dst, int64_t dst_ld);
+
 // n fp32 values into base (from element offset off), rounded to dtype.
 static inline void store_row(void* base, int32_t dtype, int64_t off, int64_t n, const float* src) {
   if (dtype == F32) {
@@ -193,8 +197,23 @@ static inline int64_t panel_vectors(int64_t left) { return left == 1 ? 1 : (left
 // elements per key against 2 x rows x d FMAs.
 // Also prefetches the same rows of the next tile (up to `end`): in token-major layouts a head's
 // consecutive keys are h_kv * d apart, a stride the hardware prefetchers do not follow far enough.
+// Keys [j0, j0 + count) of an fp32 K stored dims-major in pages (a page's keys contiguous per dim: the
+// K of vLLM's CPU cache) as rows ld apart in dst: one transposed block per page.
+static void pack_dims_major(const Problem& p, const Item& it, int64_t j0, int64_t count, float* dst, int64_t ld) {
+  for (int64_t j = j0; j < j0 + count;) {
+    const int64_t stop = imin(j0 + count, (j / p.page_size + 1) * p.page_size);
+    const float* src = static_cast<const float*>(p.k) + key_offset(p, it.b, j, p.k_page, p.k_tok, p.k_head, it.h);
+    transpose_block(src, p.k_dim, p.d, stop - j, dst + (j - j0) * ld, ld);
+    j = stop;
+  }
+}
+
+// Whether K's tile rows are packed by pack_dims_major.
+static inline bool dims_major_f32(const Problem& p) { return p.k_dim != 1 && p.k_tok == 1 && p.page_size > 0 && p.dtype == F32; }
+
 static void pack_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t dim,
                       int64_t width, const Item& it, int64_t j0, int64_t count, int64_t end, float* tile) {
+  if (dim != 1 && dims_major_f32(p)) return pack_dims_major(p, it, j0, count, tile, width);
   const int64_t bytes = width * (p.dtype == F32 ? 4 : 2);
   for (int64_t i = 0; i < count; ++i) {
     if (dim == 1 && j0 + KEY_TILE + i < end) {

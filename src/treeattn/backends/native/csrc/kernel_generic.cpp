@@ -81,6 +81,11 @@ struct V {
 
 #include "kernel.hpp"
 
+static void transpose_block(const float* src, int64_t src_ld, int64_t rows, int64_t cols, float* dst, int64_t dst_ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * dst_ld + r] = src[r * src_ld + c];
+}
+
 void V::widen_bf16(const uint16_t* src, float* dst, int64_t n) { for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]); }
 void V::widen_f16(const uint16_t* src, float* dst, int64_t n) { for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]); }
 

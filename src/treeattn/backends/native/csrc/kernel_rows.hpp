@@ -37,8 +37,11 @@ static RowTile row_tile(const Problem& p, const void* base, int64_t page, int64_
   const bool even = p.page_size == 0 || j0 / p.page_size == (j0 + count - 1) / p.page_size;
   if (p.dtype == F32 && dim == 1 && width == wp && count % V::W == 0 && even)
     return {static_cast<const float*>(base) + key_offset(p, it.b, j0, page, tok, head, it.h), tok};
+  if (dim != 1 && dims_major_f32(p))
+    pack_dims_major(p, it, j0, count, buf, wp);
   for (int64_t i = 0; i < count; ++i) {
-    load_strided(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, dim, buf + i * wp);
+    if (dim == 1 || !dims_major_f32(p))
+      load_strided(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, dim, buf + i * wp);
     for (int64_t c = width; c < wp; ++c) buf[i * wp + c] = 0.0f;
   }
   for (int64_t i = count * wp; i < round_up(count, V::W) * wp; ++i) buf[i] = 0.0f;

@@ -23,6 +23,20 @@ static inline void transpose8x8(const char* const* rows, int64_t off, uint32_t* 
   }
 }
 
+static void transpose_block(const float* src, int64_t src_ld, int64_t rows, int64_t cols, float* dst, int64_t dst_ld) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) {
+    const char* at[8];
+    for (int k = 0; k < 8; ++k) at[k] = reinterpret_cast<const char*>(src + (r + k) * src_ld);
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) transpose8x8(at, 4 * c, reinterpret_cast<uint32_t*>(dst + c * dst_ld + r), dst_ld);
+    for (; c < cols; ++c)
+      for (int k = 0; k < 8; ++k) dst[c * dst_ld + r + k] = src[(r + k) * src_ld + c];
+  }
+  for (; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * dst_ld + r] = src[r * src_ld + c];
+}
+
 // dst[2i] = a[i], dst[2i + 1] = b[i] for i < n 16-bit values (b null: zeros): one VNNI row pair.
 static inline void interleave16(const char* a, const char* b, uint16_t* dst, int64_t n) {
   int64_t i = 0;
