@@ -281,6 +281,16 @@ def test_step_gate_backs_off_while_the_tried_arm_keeps_losing():
     assert wait(False) <= 4 * 3
 
 
+def test_step_gate_tries_again_after_a_one_off_stall():
+    """A drafting step that stalled (here 100x slower: the kernel was built inside it) makes drafting look
+    100x worse; it is tried again within probe_every x MAX_RATIO steps, not 100x later."""
+    gate = StepGate(probe_every=4)
+    gate.record(8, False, 8, 0.1)
+    gate.record(8, True, 24, 20.0)
+    tries = [gate.drafts(8) for _ in range(int(4 * StepGate.MAX_RATIO))]
+    assert tries.count(True) == 1 and tries[-1] is True
+
+
 @pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget"),
                                            ({"max_backoff": 0}, "max_backoff")])
 def test_step_gate_refuses_bad_settings(kwargs, match):

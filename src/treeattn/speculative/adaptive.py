@@ -287,12 +287,16 @@ class StepGate:
     not), an exponentially weighted mean (``forget`` per step of that arm) of the step's emitted tokens
     per request per second. A class with an unmeasured arm tries it (not drafting first: the drafter
     learns its costs from plain steps); otherwise the better arm runs and the other is tried again
-    after ``probe_every`` steps of the class times how many times faster the better arm measured (a
-    far worse arm is tried more rarely), so that a change of load or text is noticed. Each try that
+    after ``probe_every`` steps of the class times how many times faster the better arm measured, at most
+    ``MAX_RATIO`` (a far worse arm is tried more rarely, but a one-off stall, a kernel build or a page
+    fault storm inside one step, cannot keep an arm untried for thousands of steps), so that a change of
+    load or text is noticed. Each try that
     finds the same arm still better doubles that wait, up to ``max_backoff`` times (a try of the
     worse arm costs up to a whole step's gain: at concurrency 16 on 2 cores, tries every ~20 steps
     cost 3% of throughput); a try that finds the other arm better resets it.
     """
+
+    MAX_RATIO = 4.0
 
     def __init__(self, probe_every: int = 16, forget: float = 0.8, max_backoff: int = 8):
         for name, value, low in (("probe_every", probe_every, 2), ("max_backoff", max_backoff, 1)):
@@ -319,7 +323,8 @@ class StepGate:
             return not np.isnan(plain)
         better = bool(drafting > plain)
         since = self._since[key] = self._since.get(key, 0) + 1
-        if since < self.probe_every * self._backoff.get(key, 1) * max(plain, drafting) / min(plain, drafting):
+        ratio = min(max(plain, drafting) / min(plain, drafting), self.MAX_RATIO)
+        if since < self.probe_every * self._backoff.get(key, 1) * ratio:
             return better
         self._since[key] = 0
         self._trying[key] = not better
