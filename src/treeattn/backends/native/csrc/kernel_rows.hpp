@@ -16,11 +16,9 @@
 // and whole vectors; otherwise they are converted into a zero-padded tile, as run_item does.
 
 // Items of at most this many rows run here. Measured on Sapphire Rapids (d 128, 256 keys in L2, per call
-// of 8 items), before the rows shared K chunks and P V: 1 row 5.5x / 4.9x faster than run_item (AVX-512 /
-// AVX2), 4 rows 2.4x / 2.1x, 8 rows 1.45x / 1.2x, 12 rows about even, 16 rows 0.8x. With them (AVX-512, 16
-// requests, 512 keys, fp32): 12 rows 1.5x, 16 rows 1.3x, so the 16-lane path takes items of up to 16 rows;
-// the 8-lane paths keep 8 (not measured again).
-constexpr int64_t FEW_ROWS = V::W >= 16 ? 16 : 8;
+// of 8 items): 1 row 5.5x / 4.9x faster than run_item (AVX-512 / AVX2), 4 rows 2.4x / 2.1x, 8 rows
+// 1.45x / 1.2x, 12 rows about even, 16 rows 0.8x (each row here redoes the cross-lane sums).
+constexpr int64_t FEW_ROWS = 8;
 
 // Where a tile's rows are: `base + i * stride` for row i, V::W-padded wide (zeros past the real width)
 // and readable for i < the tile's key count rounded up to V::W.

@@ -111,7 +111,7 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
          + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
 }
 
-// Items of at most FEW_ROWS rows (at most MAX_LANES: 16 or 8 per path) run kernel_rows.hpp's run_rows, in this much.
+// Items of at most FEW_ROWS rows (at most MAX_LANES) run kernel_rows.hpp's run_rows, in this much.
 static inline int64_t few_rows_floats(const Problem& p, int64_t rows) {
   const int64_t dp = (p.d + MAX_LANES - 1) / MAX_LANES * MAX_LANES, dvp = (p.dv + MAX_LANES - 1) / MAX_LANES * MAX_LANES;
   return rows * (dp + 2 * KEY_TILE + dvp + 5)  // Q, scores, visibility, O, and m, l, alpha, enter, window start
