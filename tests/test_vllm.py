@@ -192,7 +192,7 @@ def test_one_mixed_step_matches_cpu_attn_kernels(kernels, variant):
     if kernels is None:  # vLLM's cells, and vLLM's kernel for a step without trees
         assert torch.equal(cache, their_cache)
         plain = torch.full_like(q, float("nan"))
-        step = _VllmStep(isa, qsl, seq_lens, table, scheduler)
+        step = _VllmStep(qsl, seq_lens, table, scheduler)
         ours.forward(layer, q, None, None, cache, TreeAttentionMetadata(None, q.shape[0], vllm=step), plain)
         assert torch.equal(plain, expected)
     # Two fp32 kernels (and CPU_ATTN runs other code on AVX-512 than on AVX2) need not agree to a fixed

@@ -88,7 +88,6 @@ def _is_chain(parents) -> bool:
 class _VllmStep:
     """A step without draft trees on vLLM's own cells, as vLLM's CPU kernel takes it."""
 
-    isa: str
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -184,7 +183,7 @@ class TreeAttentionMetadataBuilder(AttentionMetadataBuilder[TreeAttentionMetadat
                 seq_lens=m.seq_lens, dtype=self._dtype, query_start_loc=m.query_start_loc, causal=True,
                 sliding_window_size=self._window, isa=self.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
                 dynamic_causal=None, kv_cache_dtype="auto")
-            step = _VllmStep(self.isa, m.query_start_loc, m.seq_lens, m.block_table_tensor, schedule)
+            step = _VllmStep(m.query_start_loc, m.seq_lens, m.block_table_tensor, schedule)
             return TreeAttentionMetadata(plan=None, num_actual_tokens=m.num_actual_tokens, vllm=step)
         plan = step_plan(m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor[: m.num_reqs].cpu(),
                          page_size=self.page_size, num_pages=self._num_pages(), trees=trees, device=self.device)
