@@ -5,6 +5,8 @@ Budget: ~5 s on 2 cores.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,6 +20,7 @@ from treeattn.speculative.adaptive import (
     CostModel,
     LearningDrafter,
     StepGate,
+    takes_floor,
 )
 
 
@@ -196,6 +199,33 @@ def test_a_later_source_is_asked_only_where_the_earlier_ones_are_unsure():
     assert everywhere.asked == [([1, 2, 3], [10.0, 20.0, 30.0])]
 
 
+class Floored(FixedChains):
+    """A source that takes ``floor`` and records what it was told."""
+
+    def __init__(self, tokens, p=0.9):
+        super().__init__(tokens, p)
+        self.floors = []
+
+    def candidates(self, contexts, hidden=None, *, floor=0.0):
+        self.floors.append(floor)
+        return super().candidates(contexts, hidden)
+
+
+def test_sources_that_take_a_floor_are_told_what_cannot_pay():
+    """A node of probability p pays only if p > per_node * rate, and the best rate is at least the plain
+    step's: floor = b * B / (a + b * B), rising with the batch; 0 before anything was measured."""
+    floored, plain = Floored([5]), FixedChains([6])
+    assert takes_floor(floored) and not takes_floor(plain)
+    drafter = AdaptiveDrafter(plain, floored, enough=None)
+    drafter.propose([np.array([1])])
+    assert floored.floors == [0.0]  # nothing measured: no floor (a plain decode measures the step)
+    drafter.cost = CostModel.fixed(0.045, 0.0015)
+    for batch in (1, 16):
+        drafter.propose([np.array([1])] * batch)
+        assert floored.floors[-1] == pytest.approx(0.0015 * batch / (0.045 + 0.0015 * batch))
+    assert floored.floors[1] < 0.05 < 0.3 < floored.floors[2]  # alone a long shot pays, at 16 it must be likely
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=4),
        st.floats(0.0, 1.0), st.floats(1e-4, 0.05), st.integers(1, 12), st.sampled_from([0.0, 0.01, 0.05]))
@@ -244,23 +274,28 @@ def test_arguments_are_checked():
 
 
 def test_step_gate_measures_both_arms_then_runs_the_better_and_probes_the_other():
-    gate = StepGate(probe_every=4)
+    gate = StepGate(probe_every=4, try_steps=1)
     assert gate.drafts(8) is False  # nothing measured: a plain step first
     gate.record(8, False, 8, 0.1)  # 10 tokens per request per second
     assert gate.drafts(8) is True  # drafting not measured yet: try it
     gate.record(8, True, 24, 0.2)  # 15
     assert gate.rate(8, True) == pytest.approx(15) and gate.rate(15, False) == pytest.approx(10)  # one class: 8-15
     # drafting measured 1.5x faster: plain is tried again after 4 * 1.5 = 6 steps
-    assert [gate.drafts(9) for _ in range(14)] == ([True] * 5 + [False]) * 2 + [True] * 2
+    assert [gate.drafts(9) for _ in range(6)] == [True] * 5 + [False]
+    assert gate.drafts(9) is False  # a try lasts until its step is measured
+    gate.record(9, False, 9, 0.1)  # plain still at 10: the next try waits twice as long
+    assert [gate.drafts(9) for _ in range(12)] == [True] * 11 + [False]
+    gate.record(9, False, 9, 0.1)  # and the one after it 4x
     assert np.isnan(gate.rate(16, False)) and gate.drafts(16) is False  # another batch size, measured apart
     for _ in range(10):
         gate.record(12, True, 12, 0.2)  # drafting stopped paying (5): recent steps outweigh the old
-    assert 5 < gate.rate(8, True) < 6  # plain is now ~1.8x faster: drafting is tried once in 4 * 1.8 steps
-    assert [gate.drafts(8) for _ in range(16)].count(True) == 2
+    assert 5 < gate.rate(8, True) < 6  # plain is now ~1.8x faster: it runs, drafting is tried after 4 x 4 x 1.8 steps
+    wait = math.ceil(4 * 4 * gate.rate(8, False) / gate.rate(8, True))
+    assert [gate.drafts(8) for _ in range(wait)] == [False] * (wait - 1) + [True]
 
 
 def test_step_gate_backs_off_while_the_tried_arm_keeps_losing():
-    gate = StepGate(probe_every=4, max_backoff=4, forget=0.5)  # binary fractions: rates exact
+    gate = StepGate(probe_every=4, max_backoff=4, forget=0.5, try_steps=1)  # binary fractions: rates exact
     gate.record(8, False, 8, 0.125)  # plain: 8 tokens per request per second
     gate.record(8, True, 8, 0.25)  # drafting: 4
 
@@ -284,15 +319,38 @@ def test_step_gate_backs_off_while_the_tried_arm_keeps_losing():
 def test_step_gate_tries_again_after_a_one_off_stall():
     """A drafting step that stalled (here 100x slower: the kernel was built inside it) makes drafting look
     100x worse; it is tried again within probe_every x MAX_RATIO steps, not 100x later."""
-    gate = StepGate(probe_every=4)
+    gate = StepGate(probe_every=4, try_steps=1)
     gate.record(8, False, 8, 0.1)
     gate.record(8, True, 24, 20.0)
     tries = [gate.drafts(8) for _ in range(int(4 * StepGate.MAX_RATIO))]
     assert tries.count(True) == 1 and tries[-1] is True
 
 
+def test_step_gate_tries_an_arm_for_try_steps_steps_in_a_row():
+    """One drafting step that accepted little must not decide: a try runs ``try_steps`` steps, judged on
+    them together (with ``forget``), and the first measurement of an arm is a try too; a try ends at once
+    when the arm measures ``CLEAR`` times worse (a real loss, not noise)."""
+    gate = StepGate(probe_every=4, try_steps=3, forget=0.5)
+    gate.record(8, False, 8, 0.1)  # plain: 10 tokens per request per second
+    assert [gate.drafts(8) for _ in range(3)] == [True] * 3  # drafting unmeasured: tried until 3 steps are in
+    gate.record(8, True, 8, 0.125)  # 8: an unlucky step, within CLEAR of plain
+    assert gate.drafts(8) is True  # the try goes on
+    gate.record(8, True, 24, 0.1)  # 30
+    gate.record(8, True, 24, 0.1)  # 30
+    assert gate.rate(8, True) == pytest.approx((8 / 4 + 30 / 2 + 30) / 1.75)  # 26.9 > 10: drafting runs
+    tried = [gate.drafts(8) for _ in range(11)]  # plain re-tried after 4 x 2.69 steps, for 3 steps
+    assert tried == [True] * 10 + [False] and [gate.drafts(8) for _ in range(3)] == [False] * 3
+    for _ in range(3):
+        gate.record(8, False, 8, 0.1)  # plain still at 10: the re-try's verdict, the wait doubles
+    assert gate.drafts(8) is True and gate._backoff[(8).bit_length()] == 2
+    gate.record(16, False, 16, 0.1)
+    assert gate.drafts(16) is True
+    gate.record(16, True, 16, 0.2)  # 5: CLEAR-ly worse than plain's 10, the try ends
+    assert gate.drafts(16) is False
+
+
 @pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget"),
-                                           ({"max_backoff": 0}, "max_backoff")])
+                                           ({"max_backoff": 0}, "max_backoff"), ({"try_steps": 0}, "try_steps")])
 def test_step_gate_refuses_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StepGate(**kwargs)

@@ -176,6 +176,22 @@ def test_request_state_follows_each_request_and_is_rebuilt_or_freed(model, heads
         drafter.cache.seq_len("b")
 
 
+def test_a_floor_stops_drafting_where_min_score_would(model, heads):
+    """``floor`` (what an adaptive caller would not verify) ends the search like ``min_score``."""
+    head = heads["eagle3"]
+    context = np.random.default_rng(3).integers(0, VOCAB, 12)
+    layers = EagleDrafter(head).target_features
+    rows = [reference_features(model.model, context[:-1], layers)]
+
+    def tree(drafter, **floor):
+        return drafter.candidates([context], TargetFeatures(layers, ["a"], rows), **floor)[0].tree
+
+    full, floored = tree(EagleDrafter(head, budget=12)), tree(EagleDrafter(head, budget=12), floor=0.999)
+    strict = tree(EagleDrafter(head, budget=12, min_score=0.999))
+    assert floored.tokens.tolist() == strict.tokens.tolist() and floored.parents.tolist() == strict.parents.tolist()
+    assert (floored.parents[1:] == 0).all() and floored.size < full.size == 12  # random weights: no path is that sure
+
+
 def test_generate_frees_requests_between_calls(model, heads):
     drafter = EagleDrafter(heads["eagle"], budget=6)
     generate(model, make_prompts(seed=1, count=3), max_new_tokens=6, drafter=drafter, adaptive=False)

@@ -188,6 +188,27 @@ def test_drafting_stops_where_no_path_reaches_min_score(tiny):
     assert (cut.parents[1:] == 0).all() and sorted(cut.tokens[1:]) == sorted(full.tokens[full.parents == 0])
     with pytest.raises(ValueError, match="min_score"):
         HeadDrafter(heads, tiny.vocab_weights(), min_score=1.0)
+    floored = deep.candidates([np.array([4])], hidden, floor=0.99)[0].tree  # the caller's floor stops it alike
+    assert floored.tokens.tolist() == cut.tokens.tolist() and floored.parents.tolist() == cut.parents.tolist()
+
+
+def test_drafting_dtype_is_the_heads_own_or_the_faster_of_it_and_bfloat16(tiny, monkeypatch):
+    heads = random_head(depth=3)
+    weights, hidden, context = tiny.vocab_weights(), torch.randn(1, 64), [np.array([4])]
+    own = HeadDrafter(heads, weights, budget=8)
+    assert own.embed.dtype == torch.float32 and "dtype=torch.float32" in repr(own)
+    half = HeadDrafter(heads, weights, budget=8, dtype=torch.bfloat16, min_score=0.0)
+    assert half.embed.dtype == half.heads.fuse.weight.dtype == half.project[0].weight.dtype == torch.bfloat16
+    assert heads.fuse.weight.dtype == torch.float32  # the caller's head is left as it was
+    tree = half.propose(context, hidden)[0]
+    assert tree.size == 8 and tree.tokens[0] == 4  # drafts from a float32 hidden state
+    timings = iter([2.0, 1.0])  # float32 timed first, then bfloat16: bfloat16 faster
+    monkeypatch.setattr(HeadDrafter, "_depth_seconds", lambda self: next(timings))
+    assert HeadDrafter(heads, weights, dtype="fastest").embed.dtype == torch.bfloat16
+    timings = iter([1.0, 2.0])
+    assert HeadDrafter(heads, weights, dtype="fastest").embed.dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        HeadDrafter(heads, weights, dtype="half")
 
 
 def test_training_resumes_where_it_stopped(tiny):

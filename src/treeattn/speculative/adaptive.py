@@ -35,6 +35,7 @@ step that trees are compared with is measured, not extrapolated from drafting st
 from __future__ import annotations
 
 import heapq
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ import torch
 from .verify import DraftTree
 
 __all__ = ["AdaptiveDrafter", "Calibrator", "Candidates", "CostModel", "LearningDrafter", "ScoringDrafter",
-           "StepCost", "StepGate", "grow", "make_adaptive", "probe_cost"]
+           "StepCost", "StepGate", "grow", "make_adaptive", "probe_cost", "takes_floor"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,9 +78,24 @@ class Candidates:
 
 @runtime_checkable
 class ScoringDrafter(Protocol):
+    """A drafter that scores its candidates. Its ``candidates`` may also take a keyword ``floor``
+    (``AdaptiveDrafter`` passes it to sources that do): a calibrated path probability below which no
+    node can pay for its verification this step, so the source may leave such nodes undrafted. Only a
+    source whose own probabilities do not underrate its guesses should take it (a draft head's
+    softmax, measured calibrated or overconfident, does; the suffix drafter's sibling shares, which
+    underrate long matches, do not): it stops where its own estimate falls below ``floor``."""
+
     def candidates(self, contexts: Sequence[np.ndarray], hidden: torch.Tensor | None = None) -> list[Candidates]:
         """One scored candidate tree per context; ``tree.tokens[0]`` is the context's last token."""
         ...
+
+
+def takes_floor(source: ScoringDrafter) -> bool:
+    """Whether ``source.candidates`` takes the ``floor`` keyword (``ScoringDrafter``)."""
+    try:
+        return "floor" in inspect.signature(source.candidates).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin or C extension): assume not
+        return False
 
 
 @runtime_checkable
@@ -290,25 +306,33 @@ class StepGate:
     after ``probe_every`` steps of the class times how many times faster the better arm measured, at most
     ``MAX_RATIO`` (a far worse arm is tried more rarely, but a one-off stall, a kernel build or a page
     fault storm inside one step, cannot keep an arm untried for thousands of steps), so that a change of
-    load or text is noticed. Each try that
-    finds the same arm still better doubles that wait, up to ``max_backoff`` times (a try of the
-    worse arm costs up to a whole step's gain: at concurrency 16 on 2 cores, tries every ~20 steps
-    cost 3% of throughput); a try that finds the other arm better resets it.
+    load or text is noticed. A try runs the arm for ``try_steps`` steps in a row: one drafting step says
+    little (how many tokens a step accepts varies from step to step, and the first drafting step after
+    plain ones also catches the drafters up on the tokens they have not seen), and at concurrency 16
+    single-step tries judged drafting worse while drafting every step ran 4-5% faster than plain. A try
+    ends sooner when the arm measures ``CLEAR`` times worse than the other: no step-to-step noise (drafting
+    steps at concurrency 16 varied by about a quarter) but a real loss, which more steps would only
+    repeat. Each try that finds the same arm still better doubles that wait, up to ``max_backoff`` times (a try
+    of the worse arm costs up to a whole step's gain per step); a try that finds the other arm better
+    resets it.
     """
 
     MAX_RATIO = 4.0
+    CLEAR = 1.5
 
-    def __init__(self, probe_every: int = 16, forget: float = 0.8, max_backoff: int = 8):
-        for name, value, low in (("probe_every", probe_every, 2), ("max_backoff", max_backoff, 1)):
+    def __init__(self, probe_every: int = 16, forget: float = 0.8, max_backoff: int = 8, try_steps: int = 4):
+        for name, value, low in (("probe_every", probe_every, 2), ("max_backoff", max_backoff, 1),
+                                 ("try_steps", try_steps, 1)):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 < forget < 1:
             raise ValueError(f"forget must be in (0, 1), got {forget}")
         self.probe_every, self.forget, self.max_backoff = int(probe_every), float(forget), int(max_backoff)
+        self.try_steps = int(try_steps)
         self._sums: dict[tuple[int, bool], np.ndarray] = {}  # (class, drafts) -> [weighted rate, weight]
         self._since: dict[int, int] = {}  # per class, steps since the losing arm was last tried
         self._backoff: dict[int, int] = {}  # per class, the wait's factor (1, 2, 4, ... max_backoff)
-        self._trying: dict[int, bool] = {}  # per class, the arm being tried (until its step is recorded)
+        self._trying: dict[int, list] = {}  # per class, [arm being tried, its steps still to record, a re-try]
 
     def rate(self, batch: int, drafts: bool) -> float:
         """Measured tokens per request per second of an arm at this batch size; nan before any step."""
@@ -318,16 +342,21 @@ class StepGate:
     def drafts(self, batch: int) -> bool:
         """Whether the next step of ``batch`` requests should draft."""
         key = int(batch).bit_length()
+        if key in self._trying:
+            return self._trying[key][0]
         plain, drafting = self.rate(batch, False), self.rate(batch, True)
-        if np.isnan(plain) or np.isnan(drafting):
-            return not np.isnan(plain)
+        if np.isnan(plain):
+            return False
+        if np.isnan(drafting):
+            self._trying[key] = [True, self.try_steps, False]
+            return True
         better = bool(drafting > plain)
         since = self._since[key] = self._since.get(key, 0) + 1
         ratio = min(max(plain, drafting) / min(plain, drafting), self.MAX_RATIO)
         if since < self.probe_every * self._backoff.get(key, 1) * ratio:
             return better
         self._since[key] = 0
-        self._trying[key] = not better
+        self._trying[key] = [not better, self.try_steps, True]
         return not better
 
     def record(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
@@ -338,10 +367,14 @@ class StepGate:
         sums = self._sums.setdefault((key, bool(drafted)), np.zeros(2))
         sums *= self.forget
         sums += (tokens / batch / seconds, 1.0)
-        if self._trying.get(key) is bool(drafted):  # the try's verdict: back off, or start over
-            del self._trying[key]
-            still_worse = not self.rate(batch, drafted) > self.rate(batch, not drafted)
-            self._backoff[key] = min(2 * self._backoff.get(key, 1), self.max_backoff) if still_worse else 1
+        trying = self._trying.get(key)
+        if trying is not None and trying[0] is bool(drafted):
+            trying[1] -= 1
+            if trying[1] == 0 or self.rate(batch, drafted) * self.CLEAR < self.rate(batch, not drafted):
+                del self._trying[key]
+                if trying[2]:  # a re-try's verdict (not the arm's first measurement): back off, or start over
+                    still_worse = not self.rate(batch, drafted) > self.rate(batch, not drafted)
+                    self._backoff[key] = min(2 * self._backoff.get(key, 1), self.max_backoff) if still_worse else 1
 
 
 def make_adaptive(drafter, *, max_nodes: int = 32):
@@ -380,6 +413,7 @@ class AdaptiveDrafter:
         if enough is not None and not enough > 0:
             raise ValueError(f"enough must be > 0 or None, got {enough!r}")
         self.sources = sources
+        self._takes_floor = [takes_floor(s) for s in sources]
         self.enough = None if enough is None else float(enough)
         self.cost = cost if cost is not None else CostModel()
         self.max_nodes = int(max_nodes)
@@ -400,9 +434,12 @@ class AdaptiveDrafter:
             self._pending, self._nodes, self._drafted = [], n, False
             return [DraftTree.root_only(int(c[-1])) for c in contexts]
         per_source, expected = [], np.zeros(n)
+        floor = self.floor(n)
         for i, (s, calibrator) in enumerate(zip(self.sources, self.calibrators)):
             ask = [b for b in range(n) if i == 0 or self.enough is None or expected[b] < self.enough]
-            got = s.candidates([contexts[b] for b in ask], None if hidden is None else hidden[ask]) if ask else []
+            options = {"floor": floor} if self._takes_floor[i] else {}
+            got = s.candidates([contexts[b] for b in ask], None if hidden is None else hidden[ask],
+                               **options) if ask else []
             if len(got) != len(ask):
                 raise ValueError(f"{s!r} returned {len(got)} candidate trees for {len(ask)} contexts")
             cands = [Candidates.root_only(int(c[-1])) for c in contexts]
@@ -418,6 +455,18 @@ class AdaptiveDrafter:
         self._nodes = sum(t.size for t in trees)
         self._drafted = self._nodes > len(trees)
         return trees
+
+    def floor(self, batch: int) -> float:
+        """The least path probability a node of a step of ``batch`` requests needs to pay for its
+        verification (what the sources are told: ``ScoringDrafter``). A node of probability ``p`` raises
+        the step's tokens per second only if ``p > per_node * rate``, and the best cut's rate is at
+        least the plain step's, ``batch / (per_step + per_node * batch)``. So it grows with the batch:
+        alone a node pays at a few percent, at concurrency 16 on 2 cores only at about a third, and a
+        drafter need not search deep trees that would be cut. 0 before any step was measured."""
+        a, b, _ = self.cost.coefficients
+        if np.isnan(a):
+            return 0.0
+        return float(b * batch / (a + b * batch))
 
     def observe(self, emitted: Sequence[Sequence[int]], seconds: float | None) -> None:
         for calibrator, cands in zip(self.calibrators, self._pending):

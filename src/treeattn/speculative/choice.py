@@ -104,7 +104,7 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
         except ValueError as exc:  # e.g. Medusa heads from an older treeattn in the user's cache
             why = str(exc)
         if why is None:
-            sources.append(HeadDrafter(trained, weights, budget=budget))
+            sources.append(HeadDrafter(trained, weights, budget=budget, dtype="fastest"))
         elif kind == "heads":
             raise ValueError(f"drafter 'heads': {heads_path}: {why}; pick another drafter")
         else:

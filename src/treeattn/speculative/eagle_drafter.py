@@ -79,7 +79,10 @@ class EagleDrafter:
         return [c.tree for c in self.candidates(contexts, hidden)]
 
     @torch.inference_mode()
-    def candidates(self, contexts: Sequence[np.ndarray], hidden: TargetFeatures | None = None) -> list[Candidates]:
+    def candidates(self, contexts: Sequence[np.ndarray], hidden: TargetFeatures | None = None, *,
+                   floor: float = 0.0) -> list[Candidates]:
+        """``ScoringDrafter``; a level whose every path probability is below ``min_score`` or ``floor``
+        (what the caller would not verify) is not drafted."""
         if not isinstance(hidden, TargetFeatures) or hidden.layers != self.target_features or len(hidden) != len(contexts):
             raise ValueError(f"EagleDrafter needs hidden=TargetFeatures of layers {self.target_features}, one per "
                              f"context ({len(contexts)}): run it through treeattn.speculative.generate, which asks "
@@ -93,8 +96,8 @@ class EagleDrafter:
         nodes: list[Drafted] = [[(-1, int(c[-1]), 1.0, 1.0)] for c in contexts]
         ready = [i for i, r in enumerate(requests) if r.final is not None]  # no context row yet: nothing to draft from
         if ready:
-            self._draft(nodes, hidden.seq_ids, ready,
-                        torch.stack([requests[i].hidden for i in ready]), torch.stack([requests[i].final for i in ready]))
+            self._draft(nodes, hidden.seq_ids, ready, torch.stack([requests[i].hidden for i in ready]),
+                        torch.stack([requests[i].final for i in ready]), max(self.min_score, floor))
         return [best_candidates(drafted, self.budget) for drafted in nodes]
 
     def _forget(self, name: Hashable) -> None:
@@ -134,16 +137,17 @@ class EagleDrafter:
         return requests
 
     def _draft(self, nodes: list[Drafted], seq_ids: list, owner: list[int], hidden: torch.Tensor,
-               final: torch.Tensor) -> None:
+               final: torch.Tensor, min_score: float) -> None:
         """Grow ``nodes`` level by level from the ``owner`` contexts' last context rows (``hidden`` /
-        ``final``, one row each), appending each level's expanded nodes to the head's draft trees."""
+        ``final``, one row each), appending each level's expanded nodes (path probability ``min_score``
+        or more) to the head's draft trees."""
         front = [0] * len(owner)  # per frontier row: its node in nodes[owner[row]]
         in_tree: list[dict[int, int]] = [{} for _ in nodes]  # per context: node -> index in the head's draft tree
         k = min(self.top_k, self.head.config.vocab_size_draft)
         for level in range(min(self.depth, self.budget - 1)):
             top = torch.topk(torch.softmax(self.head.logits(final), dim=-1), k, dim=-1)
             probs, picks = top.values.double().cpu().numpy(), self.head.to_target(top.indices).cpu().numpy()
-            chosen = expand_frontier(nodes, owner, front, probs, picks, self.width, self.min_score)
+            chosen = expand_frontier(nodes, owner, front, probs, picks, self.width, min_score)
             if not chosen or level + 1 == min(self.depth, self.budget - 1):
                 return
             rows, ranks, owner, front = (list(column) for column in zip(*chosen))
