@@ -14,8 +14,14 @@ SmolLM2-135M-Instruct (float32, converted to safetensors once):
 
 All three stay up for the whole run; every cell (prompt set x concurrency x streaming) runs them one
 after the other, in an order that rotates from cell to cell, so load drifts hit all alike. A cell
-sends ``--requests-per-slot`` x concurrency greedy chat completions (``ignore_eos``: exactly
-``--max-tokens`` each) with the openai client, at most ``concurrency`` in flight. Before the cells
+sends ``--requests-per-slot`` x concurrency (at least 6) greedy chat completions with the openai client, at most
+``concurrency`` in flight. Request ``i`` of a cell asks for ``output_lengths`` tokens (``ignore_eos``:
+exactly that many): from half to one and a half times ``--max-tokens``, the same for every server. Real
+requests differ in length; with every request of equal length plain decoding's batch finished in
+lockstep and took the next wave in one step, while speculation (whose requests finish when their
+drafts allow) drained each cell's last requests in ever smaller batches: in-process at concurrency 16,
+trees measured 0.94-1.0x plain over 2 waves of equal requests and 1.03-1.07x over 6, the difference
+being the drain alone. Before the cells
 each server serves a warm-up (one request alone, then 16 at once, on both prompt sets): a server
 runs for long, and the adaptive drafter learns as it serves.
 
@@ -81,28 +87,38 @@ def prompts(group: str, count: int, first: int) -> list[str]:
     if len(set(out)) != count:
         raise ValueError(f"{group}: {count} prompts from {first} repeat: make the variants longer")
     return out
+# Requests per cell at least: two of each prompt kind. With three, one request's prefill that missed the prefix
+# cache (a second, in some server, in some run) moved a concurrency-1 cell by 10%.
+MIN_REQUESTS = 6
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
 
 
+def output_lengths(count: int, mean: int) -> list[int]:
+    """The ``max_tokens`` of a cell's ``count`` requests: spread over ``mean / 2 .. 3 * mean / 2``
+    (mean about ``mean``), by request index, so every server gets the same."""
+    return [mean // 2 + (i * 37) % (mean + 1) for i in range(count)]
+
+
 async def _drive(url: str, model: str, prompts: list[str], concurrency: int, stream: bool, max_tokens: int) -> dict:
-    """Every prompt as a chat completion, ``concurrency`` at a time; texts, timings, token counts."""
+    """Every prompt as a chat completion (``output_lengths`` tokens), ``concurrency`` at a time; texts,
+    timings, token counts."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=600, max_retries=0)
     slots = asyncio.Semaphore(concurrency)
-    args = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    args = {"model": model, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
-    async def one(prompt: str) -> dict:
+    async def one(prompt: str, length: int) -> dict:
         async with slots:
             messages = [{"role": "user", "content": prompt}]
             start = time.perf_counter()
             if not stream:
-                out = await client.chat.completions.create(messages=messages, **args)
+                out = await client.chat.completions.create(messages=messages, max_tokens=length, **args)
                 done = time.perf_counter() - start
                 return {"text": out.choices[0].message.content, "tokens": out.usage.completion_tokens,
                         "ttft": done, "latency": done}
             parts, first, tokens = [], None, 0
-            chunks = await client.chat.completions.create(messages=messages, stream=True,
+            chunks = await client.chat.completions.create(messages=messages, stream=True, max_tokens=length,
                                                           stream_options={"include_usage": True}, **args)
             async for chunk in chunks:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -114,7 +130,7 @@ async def _drive(url: str, model: str, prompts: list[str], concurrency: int, str
 
     try:
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in prompts))
+        results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, output_lengths(len(prompts), max_tokens))))
         return {"seconds": time.perf_counter() - start, "requests": results}
     finally:
         await client.close()
@@ -144,8 +160,9 @@ def table(results: dict) -> str:
     args = results["args"]
     lines = [f"# Tree speculation served: vLLM {results['vllm']}'s OpenAI server on the CPU, SmolLM2-135M-Instruct "
              "(float32)", "",
-             f"`python bench/vllm_serve.py`: {results['machine']}. Greedy chat completions of {args['max_tokens']} "
-             f"tokens (`ignore_eos`), {args['requests_per_slot']} requests per concurrent slot; the three servers stay "
+             f"`python bench/vllm_serve.py`: {results['machine']}. Greedy chat completions of {args['max_tokens'] // 2}-"
+             f"{args['max_tokens'] * 3 // 2} tokens (`ignore_eos`, {args['max_tokens']} on average, the same per request "
+             f"for every server), {args['requests_per_slot']} requests per concurrent slot; the three servers stay "
              "up and take turns per cell (rotating order). tokens/s: all generated tokens over the cell's wall time; "
              "TTFT: median time to the first content chunk (whole responses: to the response); TPOT: median time per "
              "output token after the first (streamed); tokens/step: 1 + accepted / drafting steps (`/metrics`); "
@@ -190,10 +207,11 @@ def targets(cells: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="the requests' mean length (each asks for "
+                        "half to one and a half times it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per cell = this x concurrency "
-                        "(at least one per prompt of the set)")
+                        f"(at least {MIN_REQUESTS})")
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=list(SERVERS))
     parser.add_argument("--model", help="a SmolLM2 safetensors folder (default: converted into a temp folder)")
     parser.add_argument("--out", default="bench/results/vllm-serve", help="writes OUT.json and OUT.md")
@@ -227,7 +245,7 @@ def main() -> None:
         for group in ("demo", "no lookup"):
             for concurrency in args.concurrency:
                 for stream in (False, True):
-                    count = max(3, concurrency * args.requests_per_slot)
+                    count = max(MIN_REQUESTS, concurrency * args.requests_per_slot)
                     cell_prompts, first = prompts(group, count, first), first + count
                     key = f"{group}|{concurrency}|{'yes' if stream else 'no'}"
                     order = args.servers[turn % len(args.servers):] + args.servers[:turn % len(args.servers)]
