@@ -81,7 +81,6 @@ static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t
 // Prefetches the K and V rows of keys [j0, j0 + KEY_TILE) of item `it` (up to it.c1): the hardware
 // prefetchers stop at every 4 KiB page and lose token-major layouts' strides, so that the misses of a
 // tile would otherwise come one row at a time as the kernel reaches them.
-template <int LOCALITY = 3>
 static inline void prefetch_keys(const Problem& p, const Item& it, int64_t j0, int64_t j1) {
   const int64_t bytes = p.dtype == F32 ? 4 : 2, end = j1 < it.c1 ? j1 : it.c1;
   for (int64_t j = j0; j < end;) {  // one page at a time: its rows are evenly spaced
@@ -91,10 +90,10 @@ static inline void prefetch_keys(const Problem& p, const Item& it, int64_t j0, i
     const char* v = static_cast<const char*>(p.v) + key_offset(p, it.b, j, p.v_page, p.v_tok, p.v_head, it.h) * bytes;
     if (p.k_dim != 1)  // dims-major K: each dim's keys of this page run are contiguous
       for (int64_t c = 0; c < p.d; ++c)
-        for (int64_t e = 0; e < (stop - j) * bytes; e += 64) __builtin_prefetch(k + c * p.k_dim * bytes + e, 0, LOCALITY);
+        for (int64_t e = 0; e < (stop - j) * bytes; e += 64) __builtin_prefetch(k + c * p.k_dim * bytes + e, 0, 3);
     for (; j < stop; ++j, k += p.k_tok * bytes, v += p.v_tok * bytes) {
-      for (int64_t c = 0; p.k_dim == 1 && c < p.d * bytes; c += 64) __builtin_prefetch(k + c, 0, LOCALITY);
-      for (int64_t c = 0; !p.v_in_k && c < p.dv * bytes; c += 64) __builtin_prefetch(v + c, 0, LOCALITY);
+      for (int64_t c = 0; p.k_dim == 1 && c < p.d * bytes; c += 64) __builtin_prefetch(k + c, 0, 3);
+      for (int64_t c = 0; !p.v_in_k && c < p.dv * bytes; c += 64) __builtin_prefetch(v + c, 0, 3);
     }
   }
 }
