@@ -202,6 +202,11 @@ def test_drafting_dtype_is_the_heads_own_or_the_faster_of_it_and_bfloat16(tiny, 
     assert heads.fuse.weight.dtype == torch.float32  # the caller's head is left as it was
     tree = half.propose(context, hidden)[0]
     assert tree.size == 8 and tree.tokens[0] == 4  # drafts from a float32 hidden state
+    torch.manual_seed(3)
+    HeadDrafter(heads, weights, dtype="fastest")  # times both dtypes on random states of its own
+    drawn = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(4))  # the caller's random stream untouched
     timings = iter([2.0, 1.0])  # float32 timed first, then bfloat16: bfloat16 faster
     monkeypatch.setattr(HeadDrafter, "_depth_seconds", lambda self: next(timings))
     assert HeadDrafter(heads, weights, dtype="fastest").embed.dtype == torch.bfloat16
