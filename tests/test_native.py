@@ -134,6 +134,24 @@ def test_gqa_groups_and_head_dims(isa, group, head_dim):
                               torch.float32)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [3, 4])
+def test_items_of_9_to_16_rows(isa, group):
+    """Small trees of a GQA group (9-16 rows): the AVX paths run them as few-rows items (rows outside the
+    lanes, sharing each K chunk), with tree masks on the last tile, on every layout; and with a window
+    and sinks."""
+    batch = make_batch([Request(binary(5), prefix=40), Request(chain(4), prefix=130), Request(forest(chain(2), chain(2)),
+                        prefix=7), Request(star(3), prefix=300), Request((), prefix=64, qo=3)], h_q=2 * group, h_kv=2,
+                       d=64, seed=group, page_size=16)
+    want = reference(batch)
+    assert_close_to_reference(*native(batch, isa), *want, torch.float32)
+    for kv in layouts(batch).values():
+        assert_close_to_reference(*native(batch, isa, kv), *want, torch.float32)
+    sinks = torch.linspace(-1.0, 1.0, 2 * group)
+    assert_close_to_reference(*native(batch, isa, sliding_window=24, sinks=sinks),
+                              *reference(batch, sliding_window=24, sinks=sinks), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("head_dim", [17, 66, 129])

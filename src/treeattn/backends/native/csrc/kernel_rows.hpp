@@ -17,10 +17,10 @@
 
 // Items of at most this many rows run here. Measured on Sapphire Rapids (d 128, 256 keys in L2, per call
 // of 8 items): 1 row 5.5x / 4.9x faster than run_item (AVX-512 / AVX2), 4 rows 2.4x / 2.1x, 8 rows
-// 1.45x / 1.2x. Since rows share each K chunk and V row, 16 lanes gain up to 16 rows too (16 items of
-// 512 keys in 128-key pages, h_kv 4, d 128, fp32: 12 rows 1.59x, 16 rows 1.3x); the 8-lane paths keep 8
-// (not measured past 8 rows since the rows began sharing K chunks).
-constexpr int64_t FEW_ROWS = V::W >= 16 ? 16 : 8;
+// 1.45x / 1.2x. Since rows share each K chunk and V row, up to 16 rows gain too (16 items of 512 keys in
+// 128-key pages, h_kv 4, d 128, fp32; AVX-512 / AVX2 / generic on the same CPU): 12 rows 1.59x / 1.34x /
+// 1.11x, 16 rows 1.3x / 1.05x / 0.85x. So V::FEW_ROWS is 16 on the AVX paths, 8 on the generic one.
+constexpr int64_t FEW_ROWS = V::FEW_ROWS;
 
 // Where a tile's rows are: `base + i * stride` for row i, V::W-padded wide (zeros past the real width)
 // and readable for i < the tile's key count rounded up to V::W.
