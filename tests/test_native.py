@@ -23,6 +23,7 @@ from treeattn.backends.native.build import EXTENSION, Extension
 from treeattn.layout import PagedKV
 from treeattn.lse import EMPTY_LSE, merge
 from treeattn.plan import TreeAttentionPlan
+from treeattn.testing import paginate
 
 pytestmark = pytest.mark.skipif(EXTENSION.failure() is not None, reason=f"native kernel not built: {EXTENSION.failure()}")
 
@@ -179,6 +180,28 @@ def test_long_prefix_split_across_threads(isa, dtype, paged):
     finally:
         torch.set_num_threads(before)
     assert_close_to_reference(*got, *reference(batch), dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scores_rising_and_falling_along_the_prefix(isa, dtype):
+    """Keys whose scores grow tile after tile (each tile's max so far above the earlier ones that
+    exponentials against an old softmax shift would overflow fp32: the shift must move, rescaling what
+    the row summed), shrink, or rise within the brgemm kernel's slack; with sinks (a row's first shift
+    is the sink's) and on pages."""
+    skip_unless_checked(NativeBackend(isa=isa), dtype)
+    batch = make_batch([Request(binary(9), prefix=1100), Request(chain(3), prefix=900), Request(star(4), prefix=700)],
+                       h_q=4, h_kv=2, d=64, dtype=dtype, seed=11)
+    starts = batch.kv_indptr.tolist()
+    for (lo, hi), ramp in zip(zip(starts, starts[1:]), [(1.0, 40.0), (7.0, 1.0), (1.0, 1.6)]):
+        batch.k[lo:hi] = (batch.k[lo:hi].float() * torch.linspace(*ramp, hi - lo)[:, None, None]).to(dtype)
+    batch.extra.update(paginate(batch.k, batch.v, [hi - lo for lo, hi in zip(starts, starts[1:])], 16,
+                                torch.Generator().manual_seed(3)))
+    want = reference(batch)
+    assert_close_to_reference(*native(batch, isa), *want, dtype)
+    assert_close_to_reference(*native(batch, isa, layouts(batch)["NHD"]), *want, dtype)
+    sinks = torch.linspace(-2.0, 2.0, 4)
+    assert_close_to_reference(*native(batch, isa, sinks=sinks), *reference(batch, sinks=sinks), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -81,15 +81,12 @@ struct V {
     const __m512 poly = horner(_mm512_sub_ps(x, whole), EXP2_POLY_16, 5);
     return _mm512_maskz_scalef_ps(live, poly, whole);
   }
-  // The softmax's exp pass for bf16 probabilities: dst[i] = bf16(exp2_16(s[i] * unit + shift)), sum += each,
-  // for i < n (a multiple of W). With AVX512-BF16 (every CPU whose bf16 brgemm pays) the rounding is one
-  // instruction (exp_row_bf16_native); false where the CPU lacks it: the caller rounds with integer ops.
-  static bool exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& sum);
+  // rows x n fp32 values (rows ld apart) rounded to bf16 as float_to_bf16 does (dst rows ld apart): one
+  // instruction per vector with AVX512-BF16 (every CPU whose bf16 brgemm pays), else integer rounding.
+  static void round_bf16(const float* src, uint16_t* dst, int64_t rows, int64_t n, int64_t ld);
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
-  static void store_bf16(uint16_t* dst, T x);  // W values rounded to bf16 / fp16
-  static void store_bf16_finite(uint16_t* dst, T x);
-  static void store_f16(uint16_t* dst, T x);
+  static void store_f16(uint16_t* dst, T x);  // W values rounded to fp16
 };
 
 #include "kernel.hpp"
@@ -112,36 +109,27 @@ void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
-inline void V::store_bf16(uint16_t* dst, T x) {  // as float_to_bf16: round to nearest even
-  const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-  const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
-  const __m512i r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                            _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
-                                            _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+__attribute__((target("avx512bf16"))) static void round_bf16_native(const float* src, uint16_t* dst, int64_t rows,
+                                                                     int64_t n, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; i += V::W)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + i),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + r * ld + i))));
 }
 
-__attribute__((target("avx512bf16"))) static void exp_row_bf16_native(const float* s, int64_t n, __m512 unit,
-                                                                       __m512 shift, uint16_t* dst, __m512& sum) {
-  __m512 acc = sum;
-  for (int64_t i = 0; i < n; i += V::W) {
-    const __m512 e = V::exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), unit, shift));
-    acc = _mm512_add_ps(acc, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
-  }
-  sum = acc;
-}
-
-bool V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& sum) {
+void V::round_bf16(const float* src, uint16_t* dst, int64_t rows, int64_t n, int64_t ld) {
   static const bool native = __builtin_cpu_supports("avx512bf16");
-  if (native) exp_row_bf16_native(s, n, unit, shift, dst, sum);
-  return native;
-}
-
-inline void V::store_bf16_finite(uint16_t* dst, T x) {  // store_bf16 for values that are not NaN
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, even), 16)));
+  if (native) return round_bf16_native(src, dst, rows, n, ld);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; i += W) {
+      const __m512 x = _mm512_loadu_ps(src + r * ld + i);
+      const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+      const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+      const __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                                _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
+                                                _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + i), _mm512_cvtepi32_epi16(b));
+    }
 }
 
 inline void V::store_f16(uint16_t* dst, T x) {

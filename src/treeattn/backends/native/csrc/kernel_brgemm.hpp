@@ -18,6 +18,8 @@ namespace brgemm_item {
 constexpr int64_t BT = BRGEMM_TILE;
 
 constexpr int32_t NEVER = -2147483647 - 1, ALWAYS = 2147483647;
+// How far (log2) a score may exceed a row's shift before the shift moves (see the online softmax).
+constexpr float SLACK = 8.0f;
 
 static inline float* aligned(float* at) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(at) + 4 * ALIGN - 1) & ~uintptr_t(4 * ALIGN - 1));
@@ -126,7 +128,8 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   uint32_t* kt = reinterpret_cast<uint32_t*>(take(dp * BT));
   void* vt = take(BT * dv);
   float* s = take(mp * BT);
-  uint16_t* pa = reinterpret_cast<uint16_t*>(take(mp * BT));  // 16-bit P (fp32 P stays in s)
+  float* pf = take(mp * BT);                                          // P in fp32
+  uint16_t* pa = reinterpret_cast<uint16_t*>(take(mp * BT / 2));      // P rounded to a 16-bit dtype
   float* o = take(mp * dv);
   float* m = take(mp);
   float* l = take(mp);
@@ -171,7 +174,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     l[r] = sink ? 1.0f : 0.0f;
   }
   for (int64_t i = 0; i < mp * dv; ++i) o[i] = 0.0f;
-  for (int64_t i = rows * BT; i < mp * BT; ++i) pa[i] = 0;  // padding rows' P: never written
+  for (int64_t i = rows * BT; i < mp * BT; ++i) pf[i] = 0.0f, pa[i] = 0;  // padding rows' P: never written
 
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   const int64_t* depth = p.node_depth ? p.node_depth + p.tree_starts[b] : nullptr;
@@ -222,15 +225,41 @@ static void run(const Problem& p, const Item& it, float* scratch) {
           clear_v(vt, p.dtype, p.b_pairs, dv, i);
         }
     }
-    // Online softmax, a row at a time, in two passes over the row's scores. A tile whose scores are used
-    // as computed (no mask, no soft-cap) is only read in the first pass (the max of raw scores: the scale
-    // is positive) and scaled inside the second; other tiles store their final scores in the first.
-    // The second pass writes P once: in the dtype the PV GEMM reads (16-bit, or fp32 in place).
+    // Online softmax with a lazy shift: a row's exponentials are taken against m[r], which only moves
+    // when a score exceeds it by more than 2^SLACK (probabilities up to 2^SLACK are exact in fp32 and
+    // every 16-bit dtype): after a row's first tiles the shift stays, so O is seldom rescaled and a tile
+    // whose scores are used as computed (no mask, no soft-cap) is read once, its max taken alongside the
+    // exponentials (the rare row whose max rose past the slack is taken again). Other tiles store their
+    // final scores in a first pass that also takes the max. Scores stay in s, probabilities go to pf
+    // (fp32), then 16-bit dtypes round a block of V::W rows into pa. A block's sums are folded at once.
     const bool raw = !masked && p.cap2 == 0.0f;
     const float unit = raw ? p.q_scale : 1.0f;
-    for (int64_t r = 0; r < rows; ++r) {
+    const typename V::T vunit = V::set1(unit);
+    auto exp_pass = [&](auto exp, const float* sr, float* pr, float shift, typename V::T& top) {
+      const typename V::T vshift = V::set1(-shift);
+      typename V::T sum = V::zero();
+      for (int64_t i = 0; i < padded; i += V::W) {
+        const typename V::T x = V::load(sr + i), e = exp(V::fma(x, vunit, vshift));
+        top = V::max(top, x);
+        sum = V::add(sum, e);
+        V::store(pr + i, e);
+      }
+      return sum;
+    };
+    // Row r's probabilities, their sum in lanes; m[r] updated (whether it moved: moved).
+    auto row_pass = [&](auto exp, int64_t r, bool& moved) {
       float* sr = s + r * BT;
+      float* pr = pf + r * BT;
+      const float was = m[r];
       typename V::T top = minus_inf;
+      moved = false;
+      if (raw && was != -__builtin_inff()) {
+        const typename V::T sum = exp_pass(exp, sr, pr, was, top);
+        const float row_top = V::reduce_max(top) * unit;
+        if (!(row_top > was + SLACK)) return sum;
+        m[r] = row_top, moved = true;
+        return exp_pass(exp, sr, pr, row_top, top);
+      }
       if (raw) {
         for (int64_t i = 0; i < padded; i += V::W) top = V::max(top, V::load(sr + i));
       } else {
@@ -244,53 +273,51 @@ static void run(const Problem& p, const Item& it, float* scratch) {
           top = V::max(top, x);
         }
       }
-      const float row_top = V::reduce_max(top) * unit, fresh = row_top > m[r] ? row_top : m[r];
+      const float row_top = V::reduce_max(top) * unit;
+      if (row_top > was + SLACK) m[r] = row_top, moved = true;
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
-      const float shift = fresh == -__builtin_inff() ? 0.0f : fresh;
-      const typename V::T vshift = V::set1(-shift), vunit = V::set1(unit);
-      typename V::T sum = V::zero();
-      uint16_t* pr = pa + r * BT;
-      auto exp_pass = [&](auto store) {  // one loop per dtype: no branch per vector
-        for (int64_t i = 0; i < padded; i += V::W) {
-          const typename V::T x = V::fma(V::load(sr + i), vunit, vshift);
-          const typename V::T e = wide ? V::exp2(x) : V::exp2_16(x);
-          sum = V::add(sum, e);
-          store(i, e);
+      return exp_pass(exp, sr, pr, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
+    };
+    for (int64_t r0 = 0; r0 < rows; r0 += V::W) {
+      const int64_t nr = imin(V::W, rows - r0);
+      alignas(64) float totals[V::W];
+      float was[V::W];
+      bool moved[V::W];
+      typename V::T sums[V::W];
+      for (int64_t k = 0; k < V::W; ++k) sums[k] = V::zero();
+      for (int64_t k = 0; k < nr; ++k) {
+        was[k] = m[r0 + k];
+        sums[k] = wide ? row_pass([](typename V::T x) { return V::exp2(x); }, r0 + k, moved[k])
+                       : row_pass([](typename V::T x) { return V::exp2_16(x); }, r0 + k, moved[k]);
+        prefetch((r0 + k) * next_count / rows, (r0 + k + 1) * next_count / rows);
+      }
+      V::store(totals, V::sum_lanes(sums));
+      for (int64_t k = 0; k < nr; ++k) {
+        const int64_t r = r0 + k;
+        if (moved[k]) {  // l and O were summed against the old shift
+          float lanes[V::W];
+          V::store(lanes, V::exp2(V::set1(was[k] - m[r])));
+          const float a = was[k] == -__builtin_inff() ? 0.0f : lanes[0];
+          float* orr = o + r * dv;
+          int64_t c = 0;
+          for (; c + V::W <= dv; c += V::W) V::store(orr + c, V::mul(V::load(orr + c), V::set1(a)));
+          for (; c < dv; ++c) orr[c] *= a;
+          l[r] *= a;
         }
-      };
-      // bf16 P is rounded without the NaN case (fewer instructions); a NaN probability (a NaN score) makes
-      // the row's sum NaN, and that row is rounded again with it.
-      if (p.dtype == BF16) {
-        if (!V::exp_row_bf16(sr, padded, vunit, vshift, pr, sum))
-          exp_pass([&](int64_t i, typename V::T e) { V::store_bf16_finite(pr + i, e); });
+        l[r] += totals[k];
       }
-      else if (p.dtype == F16) exp_pass([&](int64_t i, typename V::T e) { V::store_f16(pr + i, e); });
-      else exp_pass([&](int64_t i, typename V::T e) { V::store(sr + i, e); });
-      const float total = V::reduce_add(sum);
-      if (p.dtype == BF16 && total != total) {
-        sum = V::zero();
-        exp_pass([&](int64_t i, typename V::T e) { V::store_bf16(pr + i, e); });
-      }
-      prefetch(r * next_count / rows, (r + 1) * next_count / rows);
-      float lanes[V::W];
-      V::store(lanes, V::exp2(V::set1(m[r] - shift)));
-      const float alpha = lanes[0];
-      l[r] = l[r] * alpha + total;
-      m[r] = fresh;
-      if (alpha != 1.0f) {
-        float* orr = o + r * dv;
-        int64_t c = 0;
-        for (; c + V::W <= dv; c += V::W) V::store(orr + c, V::mul(V::load(orr + c), V::set1(alpha)));
-        for (; c < dv; ++c) orr[c] *= alpha;
-      }
+      if (p.dtype == BF16) V::round_bf16(pf + r0 * BT, pa + r0 * BT, nr, padded, BT);
+      else if (p.dtype == F16)
+        for (int64_t k = 0; k < nr; ++k)
+          for (int64_t i = 0; i < padded; i += V::W) V::store_f16(pa + (r0 + k) * BT + i, V::load(pf + (r0 + k) * BT + i));
     }
-    brgemm(p.dtype, mp, dv, padded, BT, dv, dv, true, wide ? static_cast<const void*>(s) : pa, vt, o);
+    brgemm(p.dtype, mp, dv, padded, BT, dv, dv, true, wide ? static_cast<const void*>(pf) : pa, vt, o);
     for (int64_t k = 0; k < nbad; ++k) {
       const int64_t i = bad[k];
       load_row(vr[i], p.dtype, 0, dv, orow);
       for (int64_t r = 0; r < rows; ++r) {
         if (!(klo[i] <= enter[r] && enter[r] < khi[i] && wlo[i] <= row_lo[r] && row_lo[r] < whi[i])) continue;
-        const float pr = wide ? s[r * BT + i]
+        const float pr = wide ? pf[r * BT + i]
                               : p.dtype == BF16 ? bf16_to_float(pa[r * BT + i]) : half_to_float(pa[r * BT + i]);
         for (int64_t c = 0; c < dv; ++c) o[r * dv + c] += pr * orow[c];
       }

@@ -132,7 +132,7 @@ static inline int64_t brgemm_scratch_floats(const Problem& p, int64_t rows) {
   return mp * dp              // Q in its dtype
          + dp * BRGEMM_TILE      // K^T tile (VNNI for 16-bit)
          + BRGEMM_TILE * p.dv    // V tile (VNNI for 16-bit)
-         + 2 * mp * BRGEMM_TILE  // scores, and 16-bit probabilities
+         + 5 * mp * BRGEMM_TILE / 2  // scores, fp32 and 16-bit probabilities
          + mp * p.dv             // O
          + 5 * mp                // m, l, alpha, enter, window start of each row
          + 4 * BRGEMM_TILE       // each key's visibility bounds
