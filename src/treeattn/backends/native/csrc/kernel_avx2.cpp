@@ -86,8 +86,8 @@ struct V {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }
-  // rows x n fp32 values (rows ld apart) rounded to bf16 as float_to_bf16 does (dst rows ld apart).
-  static void round_bf16(const float* src, uint16_t* dst, int64_t rows, int64_t n, int64_t ld);
+  // The softmax's exponentials for bf16 probabilities (as kernel_avx512.cpp's, with integer rounding).
+  static T exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top);
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
   static void store_f16(uint16_t* dst, T x);  // W values rounded to fp16
@@ -113,18 +113,21 @@ void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
-void V::round_bf16(const float* src, uint16_t* dst, int64_t rows, int64_t n, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < n; i += W) {
-      const __m256 x = _mm256_loadu_ps(src + r * ld + i);
-      const __m256i u = _mm256_castps_si256(x), high = _mm256_srli_epi32(u, 16);
-      const __m256i even = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
-      __m256i b = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
-      b = _mm256_blendv_epi8(b, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
-                             _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));  // NaN stays NaN
-      b = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0xd8);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + r * ld + i), _mm256_castsi256_si128(b));
-    }
+V::T V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top) {
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += W) {
+    const __m256 x = _mm256_loadu_ps(s + i), e = exp2_16(_mm256_fmadd_ps(x, unit, shift));
+    top = _mm256_max_ps(top, x);
+    sum = _mm256_add_ps(sum, e);
+    const __m256i u = _mm256_castps_si256(e), high = _mm256_srli_epi32(u, 16);
+    const __m256i even = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+    __m256i b = _mm256_srli_epi32(_mm256_add_epi32(u, even), 16);
+    b = _mm256_blendv_epi8(b, _mm256_or_si256(high, _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(_mm256_cmp_ps(e, e, _CMP_UNORD_Q)));  // NaN stays NaN
+    b = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(b));
+  }
+  return sum;
 }
 
 inline void V::store_f16(uint16_t* dst, T x) {

@@ -81,9 +81,10 @@ struct V {
     const __m512 poly = horner(_mm512_sub_ps(x, whole), EXP2_POLY_16, 5);
     return _mm512_maskz_scalef_ps(live, poly, whole);
   }
-  // rows x n fp32 values (rows ld apart) rounded to bf16 as float_to_bf16 does (dst rows ld apart): one
-  // instruction per vector with AVX512-BF16 (every CPU whose bf16 brgemm pays), else integer rounding.
-  static void round_bf16(const float* src, uint16_t* dst, int64_t rows, int64_t n, int64_t ld);
+  // The softmax's exponentials for bf16 probabilities: dst[i] = bf16(exp2_16(s[i] * unit + shift)) rounded
+  // as float_to_bf16 does, top = max(top, s[i]), for i < n (a multiple of W); returns their sum in lanes.
+  // With AVX512-BF16 (every CPU whose bf16 brgemm pays) the rounding is one instruction.
+  static T exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top);
   static void widen_bf16(const uint16_t* src, float* dst, int64_t n);
   static void widen_f16(const uint16_t* src, float* dst, int64_t n);
   static void store_f16(uint16_t* dst, T x);  // W values rounded to fp16
@@ -109,27 +110,35 @@ void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
-__attribute__((target("avx512bf16"))) static void round_bf16_native(const float* src, uint16_t* dst, int64_t rows,
-                                                                     int64_t n, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < n; i += V::W)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + i),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(src + r * ld + i))));
+__attribute__((target("avx512bf16"))) static __m512 exp_row_bf16_native(const float* s, int64_t n, __m512 unit,
+                                                                         __m512 shift, uint16_t* dst, __m512& top) {
+  __m512 sum = _mm512_setzero_ps(), max = top;
+  for (int64_t i = 0; i < n; i += V::W) {
+    const __m512 x = _mm512_loadu_ps(s + i), e = V::exp2_16(_mm512_fmadd_ps(x, unit, shift));
+    max = _mm512_max_ps(max, x);
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  top = max;
+  return sum;
 }
 
-void V::round_bf16(const float* src, uint16_t* dst, int64_t rows, int64_t n, int64_t ld) {
+V::T V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top) {
   static const bool native = __builtin_cpu_supports("avx512bf16");
-  if (native) return round_bf16_native(src, dst, rows, n, ld);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < n; i += W) {
-      const __m512 x = _mm512_loadu_ps(src + r * ld + i);
-      const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
-      const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
-      const __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                                _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
-                                                _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * ld + i), _mm512_cvtepi32_epi16(b));
-    }
+  if (native) return exp_row_bf16_native(s, n, unit, shift, dst, top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += W) {
+    const __m512 x = _mm512_loadu_ps(s + i), e = exp2_16(_mm512_fmadd_ps(x, unit, shift));
+    top = _mm512_max_ps(top, x);
+    sum = _mm512_add_ps(sum, e);
+    const __m512i u = _mm512_castps_si512(e), high = _mm512_srli_epi32(u, 16);
+    const __m512i even = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+    const __m512i b = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q),
+                                              _mm512_srli_epi32(_mm512_add_epi32(u, even), 16),
+                                              _mm512_or_si512(high, _mm512_set1_epi32(0x40)));  // NaN stays NaN
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(b));
+  }
+  return sum;
 }
 
 inline void V::store_f16(uint16_t* dst, T x) {

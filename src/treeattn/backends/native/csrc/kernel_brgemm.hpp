@@ -44,15 +44,25 @@ static bool nonfinite_row(const char* row, int32_t dtype, int64_t n) {
 
 // K^T of a tile: `words` 32-bit words of each of `count` key rows into dst[word][BT] (keys past
 // count, up to `padded`, zero). `half`: the rows' last word holds one 16-bit value only (odd d): its upper half is zero.
+template <int W = V::W>
 static void pack_kt(const char* const* rows, int64_t count, int64_t padded, int64_t words, bool half, uint32_t* dst) {
   const int64_t full = half ? words - 1 : words;
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
-    int64_t w = 0;
+  // Blocks of 8 keys (and of 16, whose first 16-word blocks go in one transpose, on 16 lanes); the words
+  // that no 8 x 8 block covers, and the last keys, one at a time.
+  auto block8 = [&](int64_t i, int64_t w) {
     for (; w + 8 <= full; w += 8) transpose8x8(rows + i, 4 * w, dst + w * BT + i, BT);
     for (; w < full; ++w)
       for (int64_t r = 0; r < 8; ++r) __builtin_memcpy(dst + w * BT + i + r, rows[i + r] + 4 * w, 4);
-  }
+  };
+  int64_t i = 0;
+  if constexpr (W == 16)
+    for (; i + 16 <= count; i += 16) {
+      int64_t w = 0;
+      for (; w + 16 <= full; w += 16) transpose16x16(rows + i, 4 * w, dst + w * BT + i, BT);
+      block8(i, w);
+      block8(i + 8, w);
+    }
+  for (; i + 8 <= count; i += 8) block8(i, 0);
   for (; i < count; ++i)
     for (int64_t w = 0; w < full; ++w) __builtin_memcpy(dst + w * BT + i, rows[i] + 4 * w, 4);
   for (int64_t w = 0; w < full; ++w)
@@ -128,8 +138,8 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   uint32_t* kt = reinterpret_cast<uint32_t*>(take(dp * BT));
   void* vt = take(BT * dv);
   float* s = take(mp * BT);
-  float* pf = take(mp * BT);                                          // P in fp32
-  uint16_t* pa = reinterpret_cast<uint16_t*>(take(mp * BT / 2));      // P rounded to a 16-bit dtype
+  float* pf = take(wide ? mp * BT : mp * BT / 2);  // P [mp][BT] in the dtype the PV GEMM reads
+  uint16_t* pa = reinterpret_cast<uint16_t*>(pf);  // (16-bit)
   float* o = take(mp * dv);
   float* m = take(mp);
   float* l = take(mp);
@@ -174,7 +184,9 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     l[r] = sink ? 1.0f : 0.0f;
   }
   for (int64_t i = 0; i < mp * dv; ++i) o[i] = 0.0f;
-  for (int64_t i = rows * BT; i < mp * BT; ++i) pf[i] = 0.0f, pa[i] = 0;  // padding rows' P: never written
+  for (int64_t i = rows * BT; i < mp * BT; ++i)  // padding rows' P: never written
+    if (wide) pf[i] = 0.0f;
+    else pa[i] = 0;
 
   const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
   const int64_t* depth = p.node_depth ? p.node_depth + p.tree_starts[b] : nullptr;
@@ -230,35 +242,42 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     // every 16-bit dtype): after a row's first tiles the shift stays, so O is seldom rescaled and a tile
     // whose scores are used as computed (no mask, no soft-cap) is read once, its max taken alongside the
     // exponentials (the rare row whose max rose past the slack is taken again). Other tiles store their
-    // final scores in a first pass that also takes the max. Scores stay in s, probabilities go to pf
-    // (fp32), then 16-bit dtypes round a block of V::W rows into pa. A block's sums are folded at once.
+    // final scores in a first pass that also takes the max. Scores stay in s; probabilities go to P in
+    // the dtype the PV GEMM reads. The sums of a block of V::W rows are folded at once.
     const bool raw = !masked && p.cap2 == 0.0f;
     const float unit = raw ? p.q_scale : 1.0f;
     const typename V::T vunit = V::set1(unit);
-    auto exp_pass = [&](auto exp, const float* sr, float* pr, float shift, typename V::T& top) {
+    // Row r's exponentials against shift into P, its scores' max into top; returns their sum in lanes.
+    auto exp_pass = [&](int64_t r, float shift, typename V::T& top) {
+      const float* sr = s + r * BT;
       const typename V::T vshift = V::set1(-shift);
       typename V::T sum = V::zero();
-      for (int64_t i = 0; i < padded; i += V::W) {
-        const typename V::T x = V::load(sr + i), e = exp(V::fma(x, vunit, vshift));
-        top = V::max(top, x);
-        sum = V::add(sum, e);
-        V::store(pr + i, e);
-      }
+      auto loop = [&](auto exp, auto store) {  // one loop per dtype: no branch per vector
+        for (int64_t i = 0; i < padded; i += V::W) {
+          const typename V::T x = V::load(sr + i), e = exp(V::fma(x, vunit, vshift));
+          top = V::max(top, x);
+          sum = V::add(sum, e);
+          store(i, e);
+        }
+      };
+      if (wide) loop([](typename V::T x) { return V::exp2(x); }, [&](int64_t i, typename V::T e) { V::store(pf + r * BT + i, e); });
+      else if (p.dtype == F16)
+        loop([](typename V::T x) { return V::exp2_16(x); }, [&](int64_t i, typename V::T e) { V::store_f16(pa + r * BT + i, e); });
+      else sum = V::exp_row_bf16(sr, padded, vunit, vshift, pa + r * BT, top);
       return sum;
     };
     // Row r's probabilities, their sum in lanes; m[r] updated (whether it moved: moved).
-    auto row_pass = [&](auto exp, int64_t r, bool& moved) {
+    auto row_pass = [&](int64_t r, bool& moved) {
       float* sr = s + r * BT;
-      float* pr = pf + r * BT;
       const float was = m[r];
       typename V::T top = minus_inf;
       moved = false;
       if (raw && was != -__builtin_inff()) {
-        const typename V::T sum = exp_pass(exp, sr, pr, was, top);
+        const typename V::T sum = exp_pass(r, was, top);
         const float row_top = V::reduce_max(top) * unit;
         if (!(row_top > was + SLACK)) return sum;
         m[r] = row_top, moved = true;
-        return exp_pass(exp, sr, pr, row_top, top);
+        return exp_pass(r, row_top, top);
       }
       if (raw) {
         for (int64_t i = 0; i < padded; i += V::W) top = V::max(top, V::load(sr + i));
@@ -276,7 +295,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       const float row_top = V::reduce_max(top) * unit;
       if (row_top > was + SLACK) m[r] = row_top, moved = true;
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
-      return exp_pass(exp, sr, pr, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
+      return exp_pass(r, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
     };
     for (int64_t r0 = 0; r0 < rows; r0 += V::W) {
       const int64_t nr = imin(V::W, rows - r0);
@@ -287,8 +306,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       for (int64_t k = 0; k < V::W; ++k) sums[k] = V::zero();
       for (int64_t k = 0; k < nr; ++k) {
         was[k] = m[r0 + k];
-        sums[k] = wide ? row_pass([](typename V::T x) { return V::exp2(x); }, r0 + k, moved[k])
-                       : row_pass([](typename V::T x) { return V::exp2_16(x); }, r0 + k, moved[k]);
+        sums[k] = row_pass(r0 + k, moved[k]);
         prefetch((r0 + k) * next_count / rows, (r0 + k + 1) * next_count / rows);
       }
       V::store(totals, V::sum_lanes(sums));
@@ -306,10 +324,6 @@ static void run(const Problem& p, const Item& it, float* scratch) {
         }
         l[r] += totals[k];
       }
-      if (p.dtype == BF16) V::round_bf16(pf + r0 * BT, pa + r0 * BT, nr, padded, BT);
-      else if (p.dtype == F16)
-        for (int64_t k = 0; k < nr; ++k)
-          for (int64_t i = 0; i < padded; i += V::W) V::store_f16(pa + (r0 + k) * BT + i, V::load(pf + (r0 + k) * BT + i));
     }
     brgemm(p.dtype, mp, dv, padded, BT, dv, dv, true, wide ? static_cast<const void*>(pf) : pa, vt, o);
     for (int64_t k = 0; k < nbad; ++k) {
