@@ -74,14 +74,16 @@ struct V {
   // its time here. At or below -125 the result is exactly 0 (a masked key's -inf among them), so that no
   // lane ever makes a denormal: each one costs a microcode assist of ~100 cycles on Intel cores (a
   // masked tile of -inf scores ran 1.5x slower scaled to 2^-160). NaN stays NaN.
-  static inline T exp2_16(T x) {
+  template <int DEGREE = 4>
+  static inline T exp2_16(T x) {  // DEGREE 3: EXP2_POLY_BF16's accuracy
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLE_UQ);
     x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 poly = horner(_mm512_sub_ps(x, whole), EXP2_POLY_16, 5);
+    const __m512 f = _mm512_sub_ps(x, whole);
+    const __m512 poly = DEGREE == 3 ? horner(f, EXP2_POLY_BF16, 4) : horner(f, EXP2_POLY_16, 5);
     return _mm512_maskz_scalef_ps(live, poly, whole);
   }
-  // The softmax's exponentials for bf16 probabilities: dst[i] = bf16(exp2_16(s[i] * unit + shift)) rounded
+  // The softmax's exponentials for bf16 probabilities: dst[i] = bf16(exp2_16<3>(s[i] * unit + shift)) rounded
   // as float_to_bf16 does, top = max(top, s[i]), for i < n (a multiple of W); returns their sum in lanes.
   // With AVX512-BF16 (every CPU whose bf16 brgemm pays) the rounding is one instruction.
   static T exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top);
@@ -114,7 +116,7 @@ __attribute__((target("avx512bf16"))) static __m512 exp_row_bf16_native(const fl
                                                                          __m512 shift, uint16_t* dst, __m512& top) {
   __m512 sum = _mm512_setzero_ps(), max = top;
   for (int64_t i = 0; i < n; i += V::W) {
-    const __m512 x = _mm512_loadu_ps(s + i), e = V::exp2_16(_mm512_fmadd_ps(x, unit, shift));
+    const __m512 x = _mm512_loadu_ps(s + i), e = V::exp2_16<3>(_mm512_fmadd_ps(x, unit, shift));
     max = _mm512_max_ps(max, x);
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -128,7 +130,7 @@ V::T V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, 
   if (native) return exp_row_bf16_native(s, n, unit, shift, dst, top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += W) {
-    const __m512 x = _mm512_loadu_ps(s + i), e = exp2_16(_mm512_fmadd_ps(x, unit, shift));
+    const __m512 x = _mm512_loadu_ps(s + i), e = exp2_16<3>(_mm512_fmadd_ps(x, unit, shift));
     top = _mm512_max_ps(top, x);
     sum = _mm512_add_ps(sum, e);
     const __m512i u = _mm512_castps_si512(e), high = _mm512_srli_epi32(u, 16);

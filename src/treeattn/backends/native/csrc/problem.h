@@ -25,6 +25,9 @@ constexpr float EXP2_POLY[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.6
                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 constexpr float EXP2_POLY_16[] = {9.57009568810463e-3f, 5.591785907745361e-2f, 2.40247443318367e-1f,
                                   6.931217908859253e-1f, 9.999992847442627e-1f};
+// Degree 3, to 7.5e-5 relative: probabilities rounded to bf16 (2^-9) need no more (exp_row_bf16).
+constexpr float EXP2_POLY_BF16[] = {5.517144873738289e-2f, 2.426111102104187e-1f, 6.932610273361206e-1f,
+                                    9.999280571937561e-1f};
 
 struct Problem {
   int32_t dtype;
