@@ -69,15 +69,15 @@ struct V {
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(poly, _mm512_castsi512_ps(e));
   }
-  // exp2 for x <= 0 (or -inf) to 3e-6 relative (a degree-4 fit on [-0.5, 0.5]): probabilities that are
-  // rounded to 16 bits (2^-8 or 2^-11) need no more, and the softmax of 16-bit dtypes spends most of
-  // its time here. At or below -125 the result is exactly 0 (a masked key's -inf among them), so that no
-  // lane ever makes a denormal: each one costs a microcode assist of ~100 cycles on Intel cores (a
-  // masked tile of -inf scores ran 1.5x slower scaled to 2^-160). NaN stays NaN.
+  // exp2 for x <= 8 (or -inf: the softmax's shifted scores) to 3e-6 relative (a degree-4 fit on
+  // [-0.5, 0.5]): probabilities that are rounded to 16 bits (2^-8 or 2^-11) need no more, and the softmax
+  // of 16-bit dtypes spends most of its time here. At or below -125 the result is exactly 0 (a masked
+  // key's -inf among them: its NaN fraction is masked off too), so that no lane ever makes a denormal:
+  // each one costs a microcode assist of ~100 cycles on Intel cores (a masked tile of -inf scores ran
+  // 1.5x slower scaled to 2^-160). NaN stays NaN.
   template <int DEGREE = 4>
   static inline T exp2_16(T x) {  // DEGREE 3: EXP2_POLY_BF16's accuracy
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLE_UQ);
-    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, whole);
     const __m512 poly = DEGREE == 3 ? horner(f, EXP2_POLY_BF16, 4) : horner(f, EXP2_POLY_16, 5);
