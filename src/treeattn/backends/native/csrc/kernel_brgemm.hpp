@@ -238,8 +238,8 @@ static void run(const Problem& p, const Item& it, float* scratch) {
         }
     }
     // Online softmax with a lazy shift: a row's exponentials are taken against m[r], which only moves
-    // when a score exceeds it by more than 2^SLACK (probabilities up to 2^SLACK are exact in fp32 and
-    // every 16-bit dtype): after a row's first tiles the shift stays, so O is seldom rescaled and a tile
+    // when a (log2-scaled) score exceeds it by more than SLACK (probabilities up to 2^SLACK are exact in
+    // fp32 and every 16-bit dtype): after a row's first tiles the shift stays, so O is seldom rescaled and a tile
     // whose scores are used as computed (no mask, no soft-cap) is read once, its max taken alongside the
     // exponentials (the rare row whose max rose past the slack is taken again). Other tiles store their
     // final scores in a first pass that also takes the max. Scores stay in s; probabilities go to P in
