@@ -126,7 +126,7 @@ static inline int64_t few_rows_floats(const Problem& p, int64_t rows) {
 // every buffer aligned to 64 bytes (ALIGN floats of slack for each of its 15 buffers and the start).
 constexpr int64_t ALIGN = 16;
 // 384 keys: measured on Sapphire Rapids (AMX, bf16, h 32/8, d 128) against 128-512, 1.06-1.13x faster
-// than 256 at T 64 and 128 with P 4096 (a power-of-two row stride costs there), even at T 8.
+// than 256 at T 64 and 128 with P 4096 and 1.1x at P 512; at T 8, P 4096 0.9-1.0x (within run-to-run noise).
 constexpr int64_t BRGEMM_TILE = 384;
 // Query rows per brgemm work item: more than the FMA kernel's, since each item packs its key tiles once
 // for all its rows (T 128 x group 4 in one item); S (rows x tile, fp32) stays within L2.
