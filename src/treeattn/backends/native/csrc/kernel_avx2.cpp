@@ -77,7 +77,7 @@ struct V {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }
-  // exp2 for x <= 0 (or -inf) to 3e-6 relative, for probabilities rounded to 16 bits (see kernel_avx512.cpp).
+  // exp2 for x <= 8 (or -inf) to 3e-6 relative, for probabilities rounded to 16 bits (see kernel_avx512.cpp).
   template <int DEGREE = 4>
   static inline T exp2_16(T x) {  // DEGREE 3: EXP2_POLY_BF16's accuracy
     x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);

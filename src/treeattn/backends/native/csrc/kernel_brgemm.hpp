@@ -266,17 +266,16 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       else sum = V::exp_row_bf16(sr, padded, vunit, vshift, pa + r * BT, top);
       return sum;
     };
-    // Row r's probabilities, their sum in lanes; m[r] updated (whether it moved: moved).
-    auto row_pass = [&](int64_t r, bool& moved) {
+    // Row r's probabilities, their sum in lanes; m[r] updated (it changes only when the shift moves).
+    auto row_pass = [&](int64_t r) {
       float* sr = s + r * BT;
       const float was = m[r];
       typename V::T top = minus_inf;
-      moved = false;
       if (raw && was != -__builtin_inff()) {
         const typename V::T sum = exp_pass(r, was, top);
         const float row_top = V::reduce_max(top) * unit;
         if (!(row_top > was + SLACK)) return sum;
-        m[r] = row_top, moved = true;
+        m[r] = row_top;
         return exp_pass(r, row_top, top);
       }
       if (raw) {
@@ -293,7 +292,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
         }
       }
       const float row_top = V::reduce_max(top) * unit;
-      if (row_top > was + SLACK) m[r] = row_top, moved = true;
+      if (row_top > was + SLACK) m[r] = row_top;
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
       return exp_pass(r, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
     };
@@ -301,18 +300,17 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       const int64_t nr = imin(V::W, rows - r0);
       alignas(64) float totals[V::W];
       float was[V::W];
-      bool moved[V::W];
       typename V::T sums[V::W];
       for (int64_t k = 0; k < V::W; ++k) sums[k] = V::zero();
       for (int64_t k = 0; k < nr; ++k) {
         was[k] = m[r0 + k];
-        sums[k] = row_pass(r0 + k, moved[k]);
+        sums[k] = row_pass(r0 + k);
         prefetch((r0 + k) * next_count / rows, (r0 + k + 1) * next_count / rows);
       }
       V::store(totals, V::sum_lanes(sums));
       for (int64_t k = 0; k < nr; ++k) {
         const int64_t r = r0 + k;
-        if (moved[k]) {  // l and O were summed against the old shift
+        if (m[r] != was[k]) {  // the shift moved: l and O were summed against the old one
           float lanes[V::W];
           V::store(lanes, V::exp2(V::set1(was[k] - m[r])));
           const float a = was[k] == -__builtin_inff() ? 0.0f : lanes[0];
