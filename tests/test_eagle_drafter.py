@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.features import reference_features
 from tests.helpers import VOCAB, make_prompts, tiny_hf
 from tests.test_demo import demo_args, tiny_folder  # noqa: F401  (a fixture)
 from tests.test_eagle_heads import eagle1_tensors, eagle3_tensors, llama_fields, randomize, write
@@ -67,21 +68,6 @@ def heads(model, tmp_path_factory):
     # output before the final norm (the one HF's hidden states do not hold).
     return {"eagle3": load_draft_head(eagle3_folder(root / "e3"), target=model),
             "eagle": load_draft_head(eagle1_folder(root / "e1"), target=model)}
-
-
-def reference_features(hf_model, context, layers) -> torch.Tensor:
-    """The target's features of every position of ``context``, straight from HF: ``hidden_states[i]`` is
-    boundary ``i < N``, the last layer's own output boundary ``N``, ``hidden_states[N]`` the final norm's."""
-    captured = []
-    hook = hf_model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.append(out))
-    try:
-        with torch.no_grad():
-            states = hf_model(torch.tensor([list(context)]), output_hidden_states=True).hidden_states
-    finally:
-        hook.remove()
-    n = hf_model.config.num_hidden_layers
-    pick = {FINAL: states[n][0], n: captured[0][0]}
-    return torch.cat([pick[layer] if layer in pick else states[layer][0] for layer in layers], dim=-1)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
@@ -176,6 +162,27 @@ def test_request_state_follows_each_request_and_is_rebuilt_or_freed(model, heads
         drafter.cache.seq_len("b")
 
 
+def test_a_history_that_starts_late_drafts_as_a_context_without_its_first_tokens(model, heads):
+    """Features from position s on (a serving engine's prefix-cache hit) draft exactly what the same
+    features draft as a context that begins at s (RoPE is relative); another start rebuilds the request."""
+    head = heads["eagle3"]
+    layers = EagleDrafter(head).target_features
+    context = np.random.default_rng(4).integers(0, VOCAB, 20)
+    rows = reference_features(model.model, context[:-1], layers)
+    drafter = EagleDrafter(head, budget=12)
+    for first in (5, 5, 0, 12):  # again from the cache, then rebuilt from other starts
+        late = drafter.candidates([context], TargetFeatures(layers, ["a"], [rows[first:]], starts=[first]))[0]
+        alone = EagleDrafter(head, budget=12).candidates([context[first:]],
+                                                          TargetFeatures(layers, ["a"], [rows[first:]]))[0]
+        assert drafter.cache.seq_len("a") == len(context) - 1 - first
+        np.testing.assert_array_equal(late.tree.tokens, alone.tree.tokens)
+        np.testing.assert_array_equal(late.tree.parents, alone.tree.parents)
+        np.testing.assert_allclose(late.prior, alone.prior, rtol=1e-4, atol=1e-5)
+        assert late.tree.size > 1
+    with pytest.raises(ValueError, match=r"holds 6 positions' features from position 12, contexts\[0\] has 20"):
+        drafter.candidates([context], TargetFeatures(layers, ["a"], [rows[13:]], starts=[12]))
+
+
 def test_a_floor_stops_drafting_where_min_score_would(model, heads):
     """``floor`` (what an adaptive caller would not verify) ends the search like ``min_score``."""
     head = heads["eagle3"]
@@ -204,7 +211,7 @@ def test_drafter_errors_name_the_argument(model, heads):
     with pytest.raises(ValueError, match=r"hidden=TargetFeatures of layers \(0, 1, 2\)"):
         drafter.propose([np.arange(5)], hidden=torch.zeros(1, 64))
     rows = [torch.zeros(3, 3 * 64)]
-    with pytest.raises(ValueError, match=r"hidden.rows\[0\] holds 3 positions' features, contexts\[0\] has 5 tokens"):
+    with pytest.raises(ValueError, match=r"hidden.rows\[0\] holds 3 positions' features from position 0, contexts\[0\] has 5 tokens"):
         drafter.propose([np.arange(5)], hidden=TargetFeatures((0, 1, 2), ["x"], rows))
     with pytest.raises(ValueError, match="load it with load_draft_head"):
         EagleDrafter(Eagle3Head(head_config()))

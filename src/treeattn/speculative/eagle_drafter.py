@@ -36,6 +36,7 @@ __all__ = ["EagleDrafter"]
 @dataclass
 class _Request:
     tokens: np.ndarray  # the context tokens the cached rows were built from (row p pairs with token p + 1)
+    start: int  # the first position with features (the head's first row)
     hidden: torch.Tensor | None = None  # the last context row's HeadOutput: what the first level reads
     final: torch.Tensor | None = None
 
@@ -109,23 +110,27 @@ class EagleDrafter:
         cached tokens), in one context append, which also drops the previous call's draft trees."""
         device = self.head.embed_tokens.weight.device
         names, lengths, rows, tokens, requests = [], [], [], [], []
-        for i, (context, name) in enumerate(zip(contexts, features.seq_ids)):
+        for i, (context, name, first) in enumerate(zip(contexts, features.seq_ids, features.starts)):
             have = features.rows[i]
-            if have.shape[0] != context.size - 1:
-                raise ValueError(f"hidden.rows[{i}] holds {have.shape[0]} positions' features, contexts[{i}] has "
-                                 f"{context.size} tokens: expected one per position but the last")
+            if not 0 <= first < context.size or have.shape[0] != context.size - 1 - first:
+                raise ValueError(f"hidden.rows[{i}] holds {have.shape[0]} positions' features from position {first}, "
+                                 f"contexts[{i}] has {context.size} tokens: expected one per position but the last")
             request = self._requests.get(name)
             cached = 0 if request is None else request.tokens.size
-            if request is not None and not (cached <= context.size and np.array_equal(context[:cached], request.tokens)):
-                self._forget(name)  # another text under this name: start over
+            if request is not None and not (request.start == first and cached <= context.size
+                                            and np.array_equal(context[:cached], request.tokens)):
+                self._forget(name)  # another text (or history) under this name: start over
                 request, cached = None, 0
             if request is None:
                 self.cache.add_sequence(name)
-                request = self._requests[name] = _Request(context[:0].copy())
-            start = max(cached - 1, 0)  # the next row's position (row p pairs with token p + 1)
+                request = self._requests[name] = _Request(context[:0].copy(), first)
+            # The next row's position (row p pairs with token p + 1). A history that starts late (a
+            # prefix-cache hit) makes a head cache without the first positions: fewer rows to attend to, and
+            # the same relative positions for RoPE.
+            start = max(cached - 1, first)
             names.append(name)
             lengths.append(context.size - 1 - start)
-            rows.append(have[start:].to(device))
+            rows.append(have[start - first:].to(device))
             tokens.append(torch.from_numpy(context[start + 1:]))
             requests.append(request)
             request.tokens = context.copy()

@@ -11,9 +11,10 @@ attribute keep getting the plain ``[B, hidden_size]`` tensor, and the target com
 
 The runner keeps each request's whole feature history (``FeatureHistory``), not only the rows of the
 current step: an ``AdaptiveDrafter`` asks a later source only for some contexts, so a drafter may
-skip steps and must catch up, and it can always rebuild a request from scratch. Requests are named
-by the runner (``seq_ids``), and ``live`` names every request it still runs, so that a drafter can
-free the state of the others.
+skip steps and must catch up, and it can always rebuild a request from scratch. A history may start
+after position 0 (``TargetFeatures.starts``): a serving engine that found a prompt's first tokens in
+its prefix cache never computed their features. Requests are named by the runner (``seq_ids``), and
+``live`` names every request it still runs, so that a drafter can free the state of the others.
 """
 
 from __future__ import annotations
@@ -59,17 +60,19 @@ def wanted_features(drafter) -> tuple | None:
 
 
 class TargetFeatures:
-    """What a feature-reading drafter gets as ``hidden``: ``rows[i]`` ``[len(contexts[i]) - 1, width]``
-    (position ``p``'s features in row ``p``) of request ``seq_ids[i]``; ``layers``: what was concatenated;
+    """What a feature-reading drafter gets as ``hidden``: ``rows[i]`` ``[len(contexts[i]) - 1 - starts[i],
+    width]`` (position ``p``'s features in row ``p - starts[i]``) of request ``seq_ids[i]``; ``layers``:
+    what was concatenated; ``starts``: each request's first position with features (default 0);
     ``live``: every request the runner still runs. ``features[index]`` (a list of positions) keeps
     those contexts, as ``AdaptiveDrafter`` indexes ``hidden``."""
 
     def __init__(self, layers: tuple, seq_ids: Sequence[Hashable], rows: Sequence[torch.Tensor],
-                 live: frozenset | None = None):
-        if len(seq_ids) != len(rows):
-            raise ValueError(f"TargetFeatures needs one feature tensor per request, got {len(rows)} for "
-                             f"{len(seq_ids)} seq_ids")
+                 live: frozenset | None = None, starts: Sequence[int] | None = None):
+        if len(seq_ids) != len(rows) or (starts is not None and len(starts) != len(rows)):
+            raise ValueError(f"TargetFeatures needs one feature tensor and start per request, got {len(rows)} "
+                             f"tensors and {'no' if starts is None else len(starts)} starts for {len(seq_ids)} seq_ids")
         self.layers, self.seq_ids, self.rows = tuple(layers), list(seq_ids), list(rows)
+        self.starts = [0] * len(self.rows) if starts is None else [int(s) for s in starts]
         self.live = frozenset(self.seq_ids) if live is None else live
 
     def __len__(self) -> int:
@@ -77,30 +80,55 @@ class TargetFeatures:
 
     def __getitem__(self, index) -> TargetFeatures:
         picks = range(len(self))[index] if isinstance(index, slice) else [operator.index(i) for i in index]
-        return TargetFeatures(self.layers, [self.seq_ids[i] for i in picks], [self.rows[i] for i in picks], self.live)
+        return TargetFeatures(self.layers, [self.seq_ids[i] for i in picks], [self.rows[i] for i in picks], self.live,
+                              [self.starts[i] for i in picks])
 
 
 class FeatureHistory:
-    """Each request's features so far, in growing buffers (doubling: appends copy O(1) rows each)."""
+    """Each request's features by position, in growing buffers (doubling: appends copy O(1) rows each).
 
-    def __init__(self, layers: tuple, num_requests: int):
+    A request's rows cover positions ``[start, end)``. ``write`` at ``end`` appends; at an earlier
+    position (a runner that computes positions again, e.g. vLLM after preempting a request) it
+    overwrites from there; past ``end`` (positions whose features were never computed, e.g. a
+    prefix-cache hit) the request starts over at that position."""
+
+    def __init__(self, layers: tuple):
         self.layers = layers
         self.run = next(_RUNS)
-        self._rows: list[torch.Tensor | None] = [None] * num_requests
-        self._length = [0] * num_requests
+        self._rows: dict[Hashable, torch.Tensor] = {}
+        self._span: dict[Hashable, tuple[int, int]] = {}  # request -> (start, end) positions
 
-    def extend(self, b: int, rows: torch.Tensor) -> None:
-        """Append the features of request ``b``'s next positions."""
-        old, n = self._rows[b], self._length[b]
+    def __contains__(self, request: Hashable) -> bool:
+        return request in self._rows
+
+    def write(self, request: Hashable, position: int, rows: torch.Tensor) -> None:
+        """Request ``request``'s features of positions ``position, position + 1, ...`` (one per row)."""
+        start, end = self._span.get(request, (position, position))
+        if not start <= position <= end:
+            start = position
+        n = position - start
+        old = self._rows.get(request)
         if old is None or n + rows.shape[0] > old.shape[0]:
             new = rows.new_empty((max(2 * n, n + rows.shape[0], 16), rows.shape[1]))
-            if old is not None:
+            if old is not None and n:
                 new[:n] = old[:n]
-            self._rows[b] = old = new
+            self._rows[request] = old = new
         old[n:n + rows.shape[0]] = rows
-        self._length[b] = n + rows.shape[0]
+        self._span[request] = (start, position + rows.shape[0])
 
-    def features(self, requests: Sequence[int]) -> TargetFeatures:
-        """``TargetFeatures`` of ``requests`` (all live), named ``(run, b)``."""
-        names = [(self.run, b) for b in requests]
-        return TargetFeatures(self.layers, names, [self._rows[b][:self._length[b]] for b in requests])
+    def end(self, request: Hashable) -> int | None:
+        """The position after ``request``'s last row (None: it has none)."""
+        span = self._span.get(request)
+        return None if span is None else span[1]
+
+    def forget(self, request: Hashable) -> None:
+        """Drop a request that finished (no error if it has no features)."""
+        self._rows.pop(request, None)
+        self._span.pop(request, None)
+
+    def features(self, requests: Sequence[Hashable]) -> TargetFeatures:
+        """``TargetFeatures`` of ``requests``, named ``(run, request)``; every request held is live."""
+        spans = [self._span[r] for r in requests]
+        return TargetFeatures(self.layers, [(self.run, r) for r in requests],
+                              [self._rows[r][:end - start] for r, (start, end) in zip(requests, spans)],
+                              frozenset((self.run, r) for r in self._rows), [start for start, _ in spans])

@@ -124,6 +124,7 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
     result = GenerationResult([[] for _ in range(batch)])
     contexts = [list(p) for p in prompts]
     active: list[int] = []
+    history = None if layers is None else FeatureHistory(layers)
 
     def emit(b: int, new: list[int]) -> None:
         room = max_new_tokens - len(result.tokens[b])
@@ -138,6 +139,8 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
             on_tokens(b, new)
         if len(result.tokens[b]) < max_new_tokens and not (new and new[-1] in stop):
             active.append(b)
+        elif history is not None:
+            history.forget(b)
 
     # Prefill: every prompt in one forward, logits of each prompt's last token only. The first new
     # token is "verifying" a root-only tree, exactly what a step without drafts does.
@@ -149,10 +152,9 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
     result.forward_passes += 1
     first = verify([DraftTree.root_only(p[-1]) for p in prompts], out.logits, sampling, generator)
     hidden = out.hidden.clone()  # [B, hidden]: the state that predicted each sequence's next root
-    history = None if layers is None else FeatureHistory(layers, batch)
     if history is not None:
         for b, rows in enumerate(out.features.split(lengths)):
-            history.extend(b, rows)
+            history.write(b, 0, rows)
     for b in range(batch):
         emit(b, first.tokens[b])
     result.prefill_s = time.perf_counter() - start
@@ -193,8 +195,8 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
         leaf_rows = torch.tensor([s + leaf for s, leaf in zip(node_starts.tolist(), res.leaf_indices)])
         hidden[ids] = out.hidden[leaf_rows]
         if history is not None:  # the accepted path's positions (root first) now have their features
-            for b, start, path in zip(ids, node_starts.tolist(), res.paths):
-                history.extend(b, out.features[[start + node for node in path]])
+            for b, start, path in zip(ids, node_starts.tolist(), res.paths):  # the root is the context's last token
+                history.write(b, len(contexts[b]) - 1, out.features[[start + node for node in path]])
         if learner is not None:
             learner.observe(res.tokens, time.perf_counter() - step_start)
         for b, new, size in zip(ids, res.tokens, sizes):
