@@ -372,7 +372,7 @@ def tiny_tree_runs(tmp_path_factory) -> dict:
     # The oracle also checks every hidden state it is given (see tests.vllm_drafters).
     oracle = {"class": "tests.vllm_drafters.HiddenCheckingOracle", "kwargs": {"truths": truths, "vocab": 512}}
     tree = run_engine(tmp, model, jobs, treeattn=True, tree={"nodes": 12, "drafter": oracle}, **engine)
-    return {"plain": plain, "tree": tree}
+    return {"plain": plain, "tree": tree, "model": model, "jobs": jobs, "truths": truths, "engine": engine}
 
 
 def test_tree_greedy_is_vllms_greedy(tiny_tree_runs):
@@ -394,6 +394,80 @@ def test_tree_metrics_are_vllms_own_and_consistent(tiny_tree_runs):
     # so paths were committed (any wrong K/V after a commit would have changed the greedy tokens above).
     assert accepted / drafts > 1.5, counters
     assert counters["vllm:prefix_cache_hits"] > 0
+
+
+# ---------------------------------------------------------------- target features: EAGLE heads in vLLM
+
+FEATURE_LAYERS = ["final", 2, 0, 1]  # of the 2-layer Qwen2: final norm, last layer's output, embeddings, middle
+
+
+@pytest.fixture(scope="module")
+def feature_runs(tiny_tree_runs, tmp_path_factory) -> dict:
+    """The tiny Qwen2's greedy job again, drafted by drafters that read per-position target features:
+    the oracle recording what it is given (``FEATURE_LAYERS``), and a published EAGLE-3 checkpoint
+    (random weights, EAGLE's format) chosen by name, as a server's ``--additional-config`` does."""
+    import torch
+
+    from treeattn.speculative.eagle import Eagle3Head, HeadConfig
+    from treeattn.speculative.eagle_train import save_eagle3
+
+    tmp = tmp_path_factory.mktemp("features")
+    model, engine, greedy = tiny_tree_runs["model"], tiny_tree_runs["engine"], tiny_tree_runs["jobs"][:1]
+    recorder = {"class": "tests.vllm_drafters.FeatureRecorder",
+                "kwargs": {"truths": tiny_tree_runs["truths"], "vocab": 512, "layers": FEATURE_LAYERS,
+                           "out": str(tmp / "features.pt")}}
+    (tmp / "recorded").mkdir()
+    recorded = run_engine(tmp / "recorded", model, greedy, treeattn=True, tree={"nodes": 12, "drafter": recorder},
+                          **engine)
+
+    torch.manual_seed(3)
+    head = Eagle3Head(HeadConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                 vocab_size=512, draft_vocab_size=32, aux_layers=(0, 1, 2)))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn(p.shape) * (0.3 if "norm" in name else 1 / p.shape[-1] ** 0.5) + ("norm" in name))
+        targets = torch.randperm(512)[:32].sort().values
+        head.d2t.copy_(targets - torch.arange(32))
+        head.t2d.zero_()
+        head.t2d[targets] = True
+    folder = save_eagle3(head, tmp / "eagle3", target_layers=2, dtype=torch.float32)
+    (tmp / "published").mkdir()
+    published = run_engine(tmp / "published", model, greedy, treeattn=True,
+                           tree={"nodes": 12, "drafter": "heads", "draft_head": str(folder), "adaptive": False},
+                           **engine)
+    return {"recorded": recorded, "published": published, "features": torch.load(tmp / "features.pt")}
+
+
+@pytest.mark.parametrize("run", ["recorded", "published"])
+def test_feature_reading_drafters_keep_vllms_greedy(tiny_tree_runs, feature_runs, run):
+    assert feature_runs[run]["tokens"]["greedy"] == tiny_tree_runs["plain"]["tokens"]["greedy"]
+    assert feature_runs[run]["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_published_eagle3_head_drafts_inside_vllm(feature_runs):
+    assert "treeattn tree speculation: EagleDrafter, full 12-node trees" in feature_runs["published"]["log"]
+
+
+def test_features_are_the_targets_hidden_states_at_every_position(tiny_tree_runs, feature_runs):
+    """What the drafter was last given per request equals HF's hidden states of those layers at every
+    position but the last: through prefill chunks, accepted tree paths (the oracle's) and a prompt whose
+    first block came from the prefix cache (its features start there)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.features import reference_features
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_tree_runs["model"], dtype=torch.float32)
+    seen = feature_runs["features"]
+    assert len(seen) == len(tiny_tree_runs["jobs"][0]["prompts"])
+    for record in seen.values():
+        context, start, rows = record["context"], record["start"], record["rows"]
+        assert rows.shape == (len(context) - 1 - start, 4 * hf.config.hidden_size)
+        want = reference_features(hf, context[:-1], [layer if layer == "final" else int(layer) for layer in FEATURE_LAYERS])
+        torch.testing.assert_close(rows, want[start:], atol=2e-4, rtol=2e-4)
+    assert any(record["start"] > 0 for record in seen.values())  # the prompt that shares a cached prefix
+    assert max(max(np.diff(record["lengths"]), default=0) for record in seen.values()) > 1  # accepted paths
 
 
 def test_tree_sampling_keeps_the_target_distribution(tmp_path):

@@ -64,7 +64,8 @@ def test_a_drafter_by_name_is_plain_json_for_a_server(env, monkeypatch):
     import os
 
     tree_speculative_config(nodes=10, drafter="suffix", adaptive=False)
-    assert json.loads(os.environ[TREES_ENV_VAR]) == {"drafter": "suffix", "heads": None, "adaptive": False}
+    assert json.loads(os.environ[TREES_ENV_VAR]) == {"drafter": "suffix", "heads": None, "draft_head": None,
+                                                   "adaptive": False}
     assert DRAFTER_ENV_VAR not in os.environ  # no pickle for a drafter by name
     assert type(_shipped(10)).__name__ == "SuffixDrafter"
     monkeypatch.delenv(TREES_ENV_VAR)
@@ -87,6 +88,9 @@ def test_a_drafter_by_name_is_plain_json_for_a_server(env, monkeypatch):
     ('{"adaptive": "yes"}', r"^W\.adaptive must be true or false, got 'yes'"),
     ('{"heads": 3, "drafter": "heads"}', r"^W\.heads must be a file path or null"),
     ('{"heads": "h.pt"}', r"^W\.heads goes with drafter 'heads' or 'auto', not 'ngram'"),
+    ('{"draft_head": "e3"}', r"^W\.draft_head goes with drafter 'heads' or 'auto', not 'ngram'"),
+    ('{"draft_head": ["e3"], "drafter": "auto"}', r"^W\.draft_head must be a checkpoint path or null"),
+    ('{"draft_head": "e3", "heads": "h.pt", "drafter": "auto"}', r"^W\.draft_head drafts in place of a treeattn heads"),
     ('{"drafter": "auto", "adaptive": false}', r"^W\.adaptive=False verifies one drafter's whole trees"),
     ('["auto"]', r"^W: must be a JSON object"),
     ('{drafter: auto}', r"^W: not JSON"),
@@ -119,6 +123,32 @@ def test_a_draft_head_by_name_binds_to_the_targets_weights(env, tmp_path):
     tree_speculative_config(nodes=8, drafter="heads", heads=tmp_path / "h.pt")
     with pytest.raises(ValueError, match="drafter 'heads': .*hidden states of size 64, the model's are 32"):
         _shipped(8).bind(narrow)
+
+
+def test_a_published_draft_head_by_name_loads_against_the_target(env, tmp_path):
+    """``draft_head``: an EAGLE-3 checkpoint folder, loaded in the worker with the target's weights and
+    depth (its aux layers must lie within it), drafting for ``heads`` alone or beside the suffix drafter."""
+    from treeattn.speculative import EagleDrafter
+    from treeattn.speculative.eagle import Eagle3Head, HeadConfig
+    from treeattn.speculative.eagle_train import save_eagle3
+
+    head = Eagle3Head(HeadConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 vocab_size=VOCAB, aux_layers=(0, 2, 4)))
+    folder = save_eagle3(head, tmp_path / "e3", target_layers=4, dtype=torch.float32)
+    tree_speculative_config(nodes=8, drafter="heads", draft_head=folder, adaptive=False)
+    assert _shipped(8) == DrafterByName("heads", 8, full_trees=True, draft_head=str(folder))
+    drafter = _shipped(8).bind(WEIGHTS, num_layers=4)
+    assert isinstance(drafter, EagleDrafter) and drafter.budget == 8 and drafter.target_features == (0, 2, 4)
+    assert torch.equal(drafter.head.embed_tokens.weight, WEIGHTS[0])  # the target's, as every engine shares them
+    tree_speculative_config(nodes=8, drafter="auto", draft_head=folder)
+    assert [type(s).__name__ for s in _shipped(8).bind(WEIGHTS, num_layers=4).sources] == ["SuffixDrafter",
+                                                                                           "EagleDrafter"]
+    with pytest.raises(ValueError, match=rf"draft_head {folder}: .*aux layer boundaries \[0, 2, 4\] .* in \[0, num_layers = 3\]"):
+        _shipped(8).bind(WEIGHTS, num_layers=3)  # a shallower target than the head was made for
+    with pytest.raises(ValueError, match="give num_layers"):
+        _shipped(8).bind(WEIGHTS)
+    with pytest.raises(ValueError, match="draft_head: no such checkpoint folder or file /no/such"):
+        tree_speculative_config(nodes=8, drafter="auto", draft_head="/no/such")
 
 
 def test_a_large_drafter_travels_in_a_file(env):
@@ -192,6 +222,7 @@ class _Unpicklable:
     ({"drafter": "heads", "heads": "/no/such/heads.pt"}, ValueError, "heads: no such file"),
     ({"drafter": NGramDrafter(4), "heads": "h.pt"}, ValueError, "heads goes with drafter 'heads' or 'auto'"),
     ({"drafter": "ngram", "heads": "h.pt"}, ValueError, "heads goes with drafter 'heads' or 'auto'"),
+    ({"drafter": NGramDrafter(4), "draft_head": "e3"}, ValueError, "draft_head goes with drafter 'heads' or 'auto'"),
     ({"drafter": "auto", "adaptive": False}, ValueError, "adaptive=False verifies one drafter's whole trees"),
     ({"drafter": _Unpicklable()}, TypeError, "must pickle"),
 ])

@@ -6,6 +6,9 @@
 - ``HiddenCheckingOracle``: an ``OracleDrafter`` bound to the target's weights (``bind``) that checks,
   every step, that the hidden state it is given for each request is the one that chose the context's
   last token (greedy: the LM head's argmax of it), after plain steps and after accepted tree paths.
+- ``FeatureRecorder``: an ``OracleDrafter`` that reads per-position target features (``target_features``)
+  and saves, per request, its last context with the ``TargetFeatures`` row block it was given, to check
+  against HF's hidden states.
 - ``FixedTreeDrafter`` proposes the same tree of tokens every step (sampling tests on a tiny vocabulary).
 """
 
@@ -66,6 +69,25 @@ class HiddenCheckingOracle(OracleDrafter):
         last = [int(c[-1]) for c in contexts]
         if chosen != last:
             raise AssertionError(f"the hidden states chose {chosen}, the contexts end in {last}")
+        return super().propose(contexts, hidden)
+
+
+class FeatureRecorder(OracleDrafter):
+    def __init__(self, truths, vocab: int, layers: list, out: str):
+        super().__init__(truths, vocab)
+        self.target_features, self.out, self.seen = tuple(layers), out, {}
+
+    def propose(self, contexts, hidden=None) -> list[DraftTree]:
+        import torch
+
+        if hidden is None or tuple(hidden.layers) != self.target_features or len(hidden) != len(contexts):
+            raise AssertionError(f"expected TargetFeatures of {self.target_features} for {len(contexts)} contexts, "
+                                 f"got {hidden!r}")
+        for name, context, start, rows in zip(hidden.seq_ids, contexts, hidden.starts, hidden.rows):
+            lengths = self.seen.get(name, {}).get("lengths", []) + [len(context)]
+            self.seen[name] = {"context": list(map(int, context)), "start": start, "rows": rows.clone(),
+                               "lengths": lengths}
+        torch.save(self.seen, self.out)
         return super().propose(contexts, hidden)
 
 

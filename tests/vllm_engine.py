@@ -51,7 +51,8 @@ def _speculative_config(tree: dict) -> dict:
     if isinstance(drafter, dict):
         module, name = drafter["class"].rsplit(".", 1)
         drafter = getattr(importlib.import_module(module), name)(**drafter.get("kwargs", {}))
-    return tree_speculative_config(nodes=tree["nodes"], drafter=drafter)
+    options = {k: tree[k] for k in ("heads", "draft_head", "adaptive") if k in tree}
+    return tree_speculative_config(nodes=tree["nodes"], drafter=drafter, **options)
 
 
 def _with_bad_requests(llm, job) -> tuple[list[list[int]], list[str]]:

@@ -19,6 +19,13 @@ vLLM verifies drafts as chains. Here a draft is a tree, and four things change, 
    next step sees a plain sequence; rejected nodes sit past the sequence's end, where vLLM writes
    next. vLLM's own bookkeeping then counts drafts and accepted tokens into its speculative
    metrics (``LLM.get_metrics()``).
+5. **Target features** for a drafter that reads them per position (``target_features``: a published
+   EAGLE-3 head's aux layers, EAGLE-1/2's final hidden states): the model returns its aux hidden
+   states (vLLM's EAGLE-3 interface, ``SupportsEagle3``; vLLM's aux layer ``i`` is the input of
+   decoder layer ``i``, treeattn's boundary ``i``), and every computed position's features are kept
+   per request (a prefill's rows, a tree's accepted path) in a ``FeatureHistory`` the drafter reads
+   as ``TargetFeatures``. A prompt found in vLLM's prefix cache has no features for its cached
+   tokens: the history starts after them, and the head attends to the positions it has.
 
 **Configuration is plain data.** vLLM's ``--speculative-config`` names the proposer and the node
 budget (``{"method": "custom_class", "model": "treeattn.vllm.speculative.TreeProposer",
@@ -26,7 +33,7 @@ budget (``{"method": "custom_class", "model": "treeattn.vllm.speculative.TreePro
 0.32's ``SpeculativeConfig`` refuses unknown keys (pydantic ``extra="forbid"``), and its free-form
 string fields mean something else (``model`` is the proposer's import path, ``quantization`` and
 ``revision`` describe a draft model's weights). So the options (``drafter``, ``heads``,
-``adaptive``) travel as JSON in vLLM's own ``--additional-config '{"treeattn": {...}}'`` (command
+``draft_head``, ``adaptive``) travel as JSON in vLLM's own ``--additional-config '{"treeattn": {...}}'`` (command
 line or ``--config`` file; vLLM hands it to the proposer inside ``VllmConfig``) or in
 ``TREEATTN_VLLM_TREES`` (what ``tree_speculative_config`` sets for ``vllm.LLM``). Without either:
 the adaptive n-gram drafter. Only a drafter *object* (Python) travels pickled, in
@@ -37,10 +44,11 @@ bias, allowed tokens, min tokens, min-p, structured output) get no drafts and ar
 own sampler, so their output is unchanged. (vLLM refuses min-p and logit bias under any speculation,
 as its rejection sampler cannot apply them; with trees they are accepted and served plainly.)
 
-Points 2-4 have no extension point in vLLM 0.32: ``TreeProposer`` wraps three methods of vLLM's
-``GPUModelRunner`` (which its CPU runner inherits), ``_prepare_inputs``, ``propose_draft_token_ids``
-and ``_sample``, when the first ``TreeProposer`` is built; the wrappers act only for a runner whose
-drafter is a ``TreeProposer``. They are pinned to vLLM ``0.32.0`` (``VLLM_VERSION``).
+Points 2-5 have no extension point in vLLM 0.32: ``TreeProposer`` wraps four methods of vLLM's
+``GPUModelRunner`` (which its CPU runner inherits), ``_prepare_inputs``, ``propose_draft_token_ids``,
+``_sample`` and ``_setup_eagle3_aux_hidden_state_outputs``, when the first ``TreeProposer`` is built;
+the wrappers act only for a runner whose drafter is a ``TreeProposer``. They are pinned to vLLM
+``0.32.0`` (``VLLM_VERSION``).
 """
 
 from __future__ import annotations
@@ -62,7 +70,9 @@ import torch
 
 from ..speculative import Drafter, DraftTree, SamplingParams, verify_greedy, verify_sampling
 from ..speculative.adaptive import AdaptiveDrafter, LearningDrafter, StepGate, make_adaptive
+from ..speculative.checkpoints import DraftTarget, load_draft_head
 from ..speculative.choice import DRAFTERS, build_drafter, heads_file
+from ..speculative.features import FINAL, FeatureHistory, check_feature_layers, wanted_features
 from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
 
@@ -84,14 +94,16 @@ logger = logging.getLogger("vllm.treeattn")  # under vLLM's logger: its handlers
 
 
 def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram", heads: str | Path | None = None,
-                            adaptive: bool = True) -> dict:
+                            draft_head: str | Path | None = None, adaptive: bool = True) -> dict:
     """The ``speculative_config`` that makes ``vllm.LLM`` verify token trees (needs ``TREEATTN_VLLM=1``).
 
     ``nodes``: the most tree nodes per request and step, root included (vLLM reserves ``nodes - 1``
     draft slots per request). ``drafter``: a name, as ``treeattn demo --drafter`` takes it: ``ngram``
     (the default), ``suffix``, ``heads`` (a trained EAGLE-style draft head, ``heads`` or the shipped
     SmolLM2 one; it reads the target's hidden states, embeddings and LM head inside vLLM's worker,
-    and is checked to fit their sizes, not the model's name) or ``auto`` (suffix + head); or any
+    and is checked to fit their sizes, not the model's name) or ``auto`` (suffix + head); ``draft_head``:
+    a published EAGLE-3, EAGLE-1/2 or Medusa checkpoint (``load_draft_head``) that drafts for ``heads``
+    or ``auto`` in place of treeattn's head, fed vLLM's hidden states of the layers it reads; or any
     treeattn ``Drafter`` object, which must pickle (it reaches vLLM's worker processes through
     ``TREEATTN_VLLM_DRAFTER``); an object with ``bind(weights) -> Drafter`` is bound there to the
     target's ``(embeddings, lm_head)`` weights first, and used as ``bind`` returns it (``adaptive``
@@ -111,13 +123,14 @@ def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram"
         raise ValueError(f"nodes must be an integer >= 2 (the root and at least one draft), got {nodes!r}")
     if isinstance(drafter, str):
         options = tree_options({"drafter": drafter, "heads": None if heads is None else str(heads),
-                                "adaptive": adaptive})
+                                "draft_head": None if draft_head is None else str(draft_head), "adaptive": adaptive})
         options.drafter_for(int(nodes))  # a missing head file, or one that fails to load, fails here
         os.environ.pop(DRAFTER_ENV_VAR, None)
         os.environ[TREES_ENV_VAR] = json.dumps(options.__dict__)
     else:
-        if heads is not None:
-            raise ValueError(f"heads goes with drafter 'heads' or 'auto', not {drafter!r}")
+        if heads is not None or draft_head is not None:
+            raise ValueError(f"{'heads' if heads is not None else 'draft_head'} goes with drafter 'heads' or 'auto', "
+                             f"not {drafter!r}")
         if callable(getattr(drafter, "bind", None)):
             pass  # bound to the target's weights in the worker, used as bind returns it
         elif not isinstance(drafter, Drafter):
@@ -139,10 +152,15 @@ class TreeOptions:
 
     drafter: str = "ngram"
     heads: str | None = None
+    draft_head: str | None = None  # a published checkpoint (folder or file) in place of treeattn's head
     adaptive: bool = True
 
     def drafter_for(self, nodes: int):
         """The drafter for trees of ``nodes`` nodes; one that reads the target's weights as a ``DrafterByName``."""
+        if self.draft_head is not None:  # loaded where the target is (vLLM's worker), which it is checked against
+            if not Path(self.draft_head).exists():
+                raise ValueError(f"draft_head: no such checkpoint folder or file {self.draft_head}")
+            return DrafterByName(self.drafter, nodes, draft_head=self.draft_head, full_trees=not self.adaptive)
         if self.drafter in ("heads", "auto"):  # built where the target's weights are: vLLM's worker
             path = heads_file(self.drafter, None if self.heads is None else Path(self.heads))
             return DrafterByName(self.drafter, nodes, None if path is None else str(path),
@@ -159,21 +177,26 @@ def tree_options(value, where: str = "") -> TreeOptions:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not JSON ({exc}): {value!r}") from exc
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: must be a JSON object with drafter, heads, adaptive, got {value!r}")
+        raise ValueError(f"{where}: must be a JSON object with drafter, heads, draft_head, adaptive, got {value!r}")
     prefix = f"{where}." if where else ""
     unknown = sorted(set(value) - set(TreeOptions.__dataclass_fields__))
     if unknown:
-        raise ValueError(f"{prefix}{unknown[0]}: unknown field; the fields are drafter, heads, adaptive (the node "
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field; the fields are drafter, heads, draft_head, adaptive (the node "
                          "budget is the speculative config's num_speculative_tokens + 1)")
     options = TreeOptions(**value)
     if options.drafter not in DRAFTERS:
         raise ValueError(f"{prefix}drafter must be one of {', '.join(DRAFTERS)}, got {options.drafter!r}")
     if options.heads is not None and not isinstance(options.heads, str):
         raise ValueError(f"{prefix}heads must be a file path or null, got {options.heads!r}")
+    if options.draft_head is not None and not isinstance(options.draft_head, str):
+        raise ValueError(f"{prefix}draft_head must be a checkpoint path or null, got {options.draft_head!r}")
     if not isinstance(options.adaptive, bool):
         raise ValueError(f"{prefix}adaptive must be true or false, got {options.adaptive!r}")
-    if options.heads is not None and options.drafter not in ("heads", "auto"):
-        raise ValueError(f"{prefix}heads goes with drafter 'heads' or 'auto', not {options.drafter!r}")
+    for field in ("heads", "draft_head"):
+        if getattr(options, field) is not None and options.drafter not in ("heads", "auto"):
+            raise ValueError(f"{prefix}{field} goes with drafter 'heads' or 'auto', not {options.drafter!r}")
+    if options.heads is not None and options.draft_head is not None:
+        raise ValueError(f"{prefix}draft_head drafts in place of a treeattn heads file: give heads or draft_head")
     if options.drafter == "auto" and not options.adaptive:
         raise ValueError(f"{prefix}adaptive=False verifies one drafter's whole trees: pick drafter ngram, suffix or "
                          "heads, not auto")
@@ -206,9 +229,23 @@ class DrafterByName:
     nodes: int
     heads: str | None = None
     full_trees: bool = False
+    draft_head: str | None = None
 
-    def bind(self, weights: VocabWeights) -> Drafter:
-        drafter, described = build_drafter(self.kind, weights, self.nodes, full_trees=self.full_trees,
+    def bind(self, weights: VocabWeights, *, num_layers: int | None = None) -> Drafter:
+        """The drafter for a target with these ``(embeddings, lm_head)`` and ``num_layers`` decoder layers
+        (what a published head is checked against: its aux layers must lie within them)."""
+        published = None
+        if self.draft_head is not None:
+            if num_layers is None:
+                raise ValueError("a published draft head is checked against its target: give num_layers")
+            embed, head = weights
+            target = DraftTarget(embed.shape[1], embed.shape[0], num_layers, embed, head)
+            try:
+                published = load_draft_head(self.draft_head, target=target, dtype=embed.dtype, device=embed.device)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"draft_head {self.draft_head}: {exc}") from exc
+        drafter, described = build_drafter(self.kind, None if published is not None else weights, self.nodes,
+                                           full_trees=self.full_trees, draft_head=published,
                                            heads=None if self.heads is None else Path(self.heads))
         logger.info("treeattn tree speculation: %s", described)
         return drafter
@@ -344,12 +381,23 @@ class TreeProposer:
         self._drafting = 0.0  # seconds the last proposal took: part of what its step cost
         self._step_started: float | None = None  # None: the step also prefilled, its time says nothing of trees
         self._awaiting_proposal = False  # set by each step, cleared by propose: vLLM may skip proposing
+        # A drafter that reads per-position target features (an EAGLE head) gets each request's history
+        # of them: vLLM's aux hidden states of its layers (``FINAL``: the final hidden states), at the
+        # rows of every computed position (all prefill rows; a tree's accepted path).
+        layers = wanted_features(drafter)
+        self.features = None if layers is None else FeatureHistory(layers)
+        self._feature_rows: list[np.ndarray] | None = None  # per request, this step's rows that stay
+        self._positions: np.ndarray | None = None  # per request, the position of its first row
 
     def load_model(self, target_model) -> None:
         """vLLM's runner hands every drafter the target model: a drafter that reads its weights binds here."""
         if self._binding is None:
             return
-        drafter = self._binding.bind(_vocab_weights(target_model, self._config))
+        weights = _vocab_weights(target_model, self._config)
+        if isinstance(self._binding, DrafterByName):
+            drafter = self._binding.bind(weights, num_layers=self._config.model_config.hf_text_config.num_hidden_layers)
+        else:
+            drafter = self._binding.bind(weights)
         if not isinstance(drafter, Drafter):
             raise TypeError(f"{self._binding!r}.bind returned {type(drafter).__name__}, not a treeattn Drafter")
         self._setup(drafter, self.nodes)
@@ -366,8 +414,13 @@ class TreeProposer:
         started = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled and not self._rows[i][1]]
+        if self.features is not None:  # a request whose history lacks a step (vLLM did not propose then) waits
+            rows = [i for i in rows if self.features.end(self._rows[i][0]) == int(num_tokens_no_spec[i]) - 1]
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in rows]
-        hidden = None if self._hidden is None else self._hidden[rows]
+        if self.features is not None:
+            hidden = self.features.features([self._rows[i][0] for i in rows])
+        else:
+            hidden = None if self._hidden is None else self._hidden[rows]
         for i, tree in zip(rows, self.drafter.propose(contexts, hidden=hidden) if rows else []):
             tree = _first_nodes(tree, self.nodes)
             self.trees[self._rows[i][0]] = tree
@@ -375,6 +428,38 @@ class TreeProposer:
         self._proposed, self._drafting = [self._rows[i][0] for i in rows], time.perf_counter() - started
         self._rows, self._hidden, self._step_started, self._awaiting_proposal = None, None, None, False
         return drafts
+
+    def ask_target(self, runner) -> None:
+        """Make vLLM's model return the hidden states of the feature layers the drafter reads (its aux
+        hidden states, vLLM's EAGLE-3 interface, whose layer ``i`` is our boundary ``i``)."""
+        if self.features is None:
+            return
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        model = runner.get_model()
+        layers = check_feature_layers(self.features.layers, self._config.model_config.hf_text_config.num_hidden_layers)
+        aux = tuple(sorted(layer for layer in layers if layer != FINAL))  # vLLM returns them in this order
+        self._aux_index = {layer: aux.index(layer) for layer in aux}
+        if not aux:
+            return
+        if not supports_eagle3(model):
+            raise NotImplementedError(f"the drafter reads the target's hidden states at layers {list(aux)}, and vLLM's "
+                                      f"{type(model).__name__} cannot return them (it does not implement SupportsEagle3)")
+        model.set_aux_hidden_state_layers(aux)
+        runner.use_aux_hidden_state_outputs = True
+
+    def record_features(self, req_ids: list[str], hidden_states: torch.Tensor, aux_hidden_states) -> None:
+        """Append this step's features to each request's history (before ``propose`` reads them)."""
+        if self.features is None or self._feature_rows is None:
+            return
+        keep = [b for b, rows in enumerate(self._feature_rows) if rows.size and not self._rows[b][1]]
+        if keep:
+            index = torch.from_numpy(np.concatenate([self._feature_rows[b] for b in keep])).to(hidden_states.device)
+            picked = torch.cat([hidden_states[index] if layer == FINAL else aux_hidden_states[self._aux_index[layer]][index]
+                                for layer in self.features.layers], dim=-1)
+            for b, rows in zip(keep, picked.split([self._feature_rows[b].size for b in keep])):
+                self.features.write(req_ids[b], int(self._positions[b]), rows)
+        self._feature_rows = self._positions = None
 
     def begin_step(self, req_ids: list[str], scheduled_drafts: dict[str, list[int]], num_scheduled: np.ndarray,
                    slots: torch.Tensor) -> _Step | None:
@@ -534,6 +619,7 @@ def _install_runner_hooks() -> None:
         return
     prepare, propose, sample = (GPUModelRunner._prepare_inputs, GPUModelRunner.propose_draft_token_ids,
                                 GPUModelRunner._sample)
+    setup_aux = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
 
     @functools.wraps(prepare)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -550,6 +636,10 @@ def _install_runner_hooks() -> None:
             # Each request's last row holds its final hidden state, unless tree verification says otherwise.
             scheduled = np.asarray(num_scheduled_tokens)[:num_reqs]
             self.drafter._hidden_rows = np.cumsum(scheduled) - 1
+            if self.drafter.features is not None:  # every row's features stay, unless tree verification says otherwise
+                ends = self.drafter._hidden_rows + 1
+                self.drafter._feature_rows = [np.arange(end - n, end) for end, n in zip(ends, scheduled)]
+                self.drafter._positions = self.input_batch.num_computed_tokens_cpu[:num_reqs].copy()
             drafts = scheduler_output.scheduled_spec_decode_tokens
             decode_only = all(n == 1 + len(drafts.get(r, ())) for r, n in zip(self.input_batch.req_ids, scheduled))
             self.drafter._step_started = started if decode_only else None
@@ -566,7 +656,7 @@ def _install_runner_hooks() -> None:
 
     @functools.wraps(propose)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                                *args, **kwargs):
+                                sample_hidden_states, aux_hidden_states, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, TreeProposer):
             req_ids = self.input_batch.req_ids
@@ -574,10 +664,14 @@ def _install_runner_hooks() -> None:
                              for r in req_ids]
             for r in scheduler_output.finished_req_ids:
                 drafter.trees.pop(r, None)
+                if drafter.features is not None:
+                    drafter.features.forget(r)
+            drafter.record_features(req_ids, hidden_states, aux_hidden_states)
             if drafter._hidden_rows is not None:  # the state that chose each request's last token
                 drafter._hidden = hidden_states[torch.from_numpy(drafter._hidden_rows).to(hidden_states.device)]
                 drafter._hidden_rows = None
-        return propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, *args, **kwargs)
+        return propose(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                       aux_hidden_states, *args, **kwargs)
 
     @functools.wraps(sample)
     def _sample(self, logits, spec_decode_metadata):
@@ -596,9 +690,19 @@ def _install_runner_hooks() -> None:
         for b, (tree, path) in enumerate(zip(step.trees, paths)):
             if tree is not None:
                 rows[b] = step.query_start[b] + path[-1]
+                if self.drafter._feature_rows is not None:  # the accepted path's rows, root first
+                    self.drafter._feature_rows[b] = step.query_start[b] + np.asarray(path)
         return output
+
+    @functools.wraps(setup_aux)
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        if isinstance(getattr(self, "drafter", None), TreeProposer):
+            self.drafter.ask_target(self)  # vLLM's own would pick an EAGLE-3 draft model's layers
+        else:
+            setup_aux(self)
 
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._sample = _sample
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
     GPUModelRunner._treeattn_hooks = True
