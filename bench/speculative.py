@@ -1,16 +1,20 @@
 """Speculative decoding of SmolLM2-135M on the CPU: greedy vs every drafter, same run, interleaved.
 
-    python bench/speculative.py [--reps 2] [--max-tokens 96] [--threads N] [--out bench/results]
+    python bench/speculative.py [--reps 2] [--max-tokens 96] [--threads N] [--draft-head PATH] [--out bench/results]
 
 Prompts: the demo's built-in ones (they repeat their input: lookup drafters shine) and prompts with
 nothing to look up. Methods: greedy; the n-gram drafter verifying its full 16-node trees (the demo's
 drafter before adaptive trees); and the adaptive drafters ``ngram``, ``suffix``, ``heads``,
-``auto`` (suffix + heads), each built as ``treeattn demo --drafter NAME`` builds it. Every repetition
+``auto`` (suffix + heads), each built as ``treeattn demo --drafter NAME`` builds it; with
+``--draft-head PATH`` (an EAGLE-3 or EAGLE-1/2 checkpoint, e.g. from ``treeattn train-heads --arch
+eagle3``) also ``eagle`` and ``auto eagle``, that head in place of treeattn's. Every repetition
 runs each prompt with every method, in an order rotated per prompt, with fresh drafters (a drafter
 keeps what it learns across the prompts of one repetition, as in the demo, but never sees an answer
 to the same prompt twice). Every output is checked token for token against greedy. The load
 average is recorded with every measurement: other jobs share the machine.
-Writes ``speculative.json`` (every run) and ``speculative.md`` (the table) to ``--out``.
+Reported per method: tokens per step, mean tree size, the drafter's time per step (``draft ms``),
+tokens/s and the speed-up. Writes ``speculative.json`` (every run) and ``speculative.md`` (the table)
+to ``--out``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from treeattn.cli.demo import (
 )
 from treeattn.cli.machine import describe_cpu
 from treeattn.models.loader import load_smollm2
-from treeattn.speculative import NGramDrafter
+from treeattn.speculative import NGramDrafter, load_draft_head
 from treeattn.speculative.adaptive import probe_cost
 from treeattn.speculative.choice import build_drafter
 from treeattn.speculative.generate import generate
@@ -48,12 +52,15 @@ GROUPS = {"built-in": list(BUILTIN_PROMPTS), "no lookup": list(NO_LOOKUP)}
 METHODS = ("greedy", "ngram full", "ngram", "suffix", "heads", "auto")
 
 
-def make(method: str, model, budget: int):
+def make(method: str, model, budget: int, draft_head=None):
     if method == "greedy":
         return None
     if method == "ngram full":
         return NGramDrafter(16)
-    drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME)
+    if method in ("eagle", "auto eagle"):  # the published head in place of treeattn's
+        drafter, _ = build_drafter("heads" if method == "eagle" else "auto", None, budget, draft_head=draft_head)
+    else:
+        drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME)
     probe_cost(model, drafter.cost)  # as the demo does: the cost model starts from timed forwards
     return drafter
 
@@ -64,6 +71,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per prompt (default 96)")
     parser.add_argument("--tree-budget", type=int, default=24, help="most nodes per tree (default 24)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: as the demo)")
+    parser.add_argument("--draft-head", type=Path, default=None, metavar="PATH",
+                        help="also measure this EAGLE-3 / EAGLE-1/2 checkpoint (methods eagle and auto eagle)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     threads, why = pick_threads(args.threads)
@@ -72,6 +81,10 @@ def main() -> int:
     methods = [m for m in METHODS if m not in ("heads", "auto") or find_heads() is not None]
     if len(methods) < len(METHODS):
         print("no draft heads found (treeattn train-heads): heads and auto are left out", file=sys.stderr)
+    draft_head = None
+    if args.draft_head is not None:
+        draft_head = load_draft_head(args.draft_head, target=model)
+        methods += ["eagle", "auto eagle"]
     texts = {**BUILTIN_PROMPTS, **NO_LOOKUP}
     ids = {name: chat_ids(tokenizer, text) for name, text in texts.items()}
     stop = [tokenizer.eos_token_id]
@@ -79,7 +92,7 @@ def main() -> int:
     runs = []
     started = time.perf_counter()
     for rep in range(args.reps):
-        drafters = {m: make(m, model, args.tree_budget) for m in methods}
+        drafters = {m: make(m, model, args.tree_budget, draft_head) for m in methods}
         for p, (name, prompt) in enumerate(ids.items()):
             order = methods[p % len(methods):] + methods[:p % len(methods)]  # rotate: no method always first
             results = {}
@@ -91,7 +104,7 @@ def main() -> int:
             for m in methods:
                 r = results[m]
                 runs.append({"rep": rep, "prompt": name, "method": m, "tokens": r.num_tokens,
-                             "steps": len(r.emitted_per_step), "seconds": r.elapsed_s,
+                             "steps": len(r.emitted_per_step), "seconds": r.elapsed_s, "draft_s": r.draft_s,
                              "tokens_per_s": r.tokens_per_s, "tokens_per_step": r.mean_accepted,
                              "mean_tree": r.mean_tree_size, "identical": r.tokens == greedy_tokens,
                              "load": os.getloadavg()[0]})
@@ -102,7 +115,8 @@ def main() -> int:
     record = {"model": MODEL_NAME, "dtype": "float32", "threads": threads, "why_threads": why.strip(),
               "max_tokens": args.max_tokens, "tree_budget": args.tree_budget, "reps": args.reps,
               "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}",
-              "torch": torch.__version__, "heads": str(find_heads()), "summary": summary, "runs": runs,
+              "torch": torch.__version__, "heads": str(find_heads()),
+              "draft_head": None if args.draft_head is None else str(args.draft_head), "summary": summary, "runs": runs,
               "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(json.dumps(record, indent=1))
@@ -117,7 +131,8 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
     out = {}
     for group, names in GROUPS.items():
         reps = sorted({r["rep"] for r in runs})
-        per = {m: {"tokens_per_step": [], "tokens_per_s": [], "speedup": [], "mean_tree": []} for m in methods}
+        per = {m: {"tokens_per_step": [], "tokens_per_s": [], "speedup": [], "mean_tree": [], "draft_ms": []}
+               for m in methods}
         for rep in reps:
             sel = {m: [r for r in runs if r["rep"] == rep and r["method"] == m and r["prompt"] in names]
                    for m in methods}
@@ -125,6 +140,7 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
             for m in methods:
                 per[m]["tokens_per_step"].append(sum(r["tokens"] for r in sel[m]) / sum(r["steps"] for r in sel[m]))
                 per[m]["mean_tree"].append(float(np.mean([r["mean_tree"] for r in sel[m]])))
+                per[m]["draft_ms"].append(1e3 * sum(r["draft_s"] for r in sel[m]) / sum(r["steps"] for r in sel[m]))
                 per[m]["tokens_per_s"].append(rate[m])
                 per[m]["speedup"].append(rate[m] / rate["greedy"])
         out[group] = {m: {k: float(np.median(v)) for k, v in per[m].items()} | {"speedup_all": per[m]["speedup"]}
@@ -135,7 +151,8 @@ def summarize(runs: list[dict], methods: list[str]) -> dict:
 def markdown(record: dict, methods: list[str]) -> str:
     lo, hi = record["load_range"]
     same = "yes" if all(r["identical"] for r in record["runs"]) else "NO"
-    intro = (f"`python bench/speculative.py --reps {record['reps']} --max-tokens {record['max_tokens']}`: "
+    head = f" --draft-head {record['draft_head']}" if record.get("draft_head") else ""
+    intro = (f"`python bench/speculative.py --reps {record['reps']} --max-tokens {record['max_tokens']}{head}`: "
              f"{record['machine']}, torch {record['torch']}, load average {lo:.1f}-{hi:.1f} during the run "
              f"(shared machine). Medians over {record['reps']} repetitions; speed-up = tokens/s over greedy's in "
              "the same repetition (each repetition's values in brackets). All outputs token-identical to "
@@ -144,11 +161,13 @@ def markdown(record: dict, methods: list[str]) -> str:
     for group, rows in record["summary"].items():
         names = ", ".join(GROUPS[group])
         lines += [f"**{group}** ({names})", "",
-                  "| method | tokens/step | mean tree | tokens/s | speed-up |", "|---|---:|---:|---:|---:|"]
+                  "| method | tokens/step | mean tree | draft ms/step | tokens/s | speed-up |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for m in methods:
             r = rows[m]
             each = ", ".join(f"{x:.2f}" for x in r["speedup_all"])
-            lines.append(f"| {m} | {r['tokens_per_step']:.2f} | {r['mean_tree']:.1f} | {r['tokens_per_s']:.1f} | "
+            lines.append(f"| {m} | {r['tokens_per_step']:.2f} | {r['mean_tree']:.1f} | {r['draft_ms']:.1f} | "
+                         f"{r['tokens_per_s']:.1f} | "
                          f"{r['speedup']:.2f}x ({each}) |")
         lines.append("")
     return "\n".join(lines)

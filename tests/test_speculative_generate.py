@@ -81,3 +81,20 @@ def test_seeded_sampling_reproduces_with_a_fixed_cost_model(llama):  # noqa: F81
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_the_drafters_time_is_counted_within_decoding(llama):  # noqa: F811
+    import time
+
+    _, model = llama
+
+    class Slow(NGramDrafter):
+        def propose(self, contexts, hidden=None):
+            time.sleep(0.01)
+            return super().propose(contexts, hidden)
+
+    plain = generate(model, make_prompts(seed=6, count=1), max_new_tokens=6)
+    assert plain.draft_s == 0.0
+    slow = generate(model, make_prompts(seed=6, count=1), max_new_tokens=6, drafter=Slow(8), adaptive=False)
+    steps = len(slow.emitted_per_step)
+    assert 0.01 * steps <= slow.draft_s < slow.decode_s

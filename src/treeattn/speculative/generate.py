@@ -38,6 +38,7 @@ class GenerationResult:
     drafted_per_step: list[int] = field(default_factory=list)  # tree nodes per sequence and step (root included)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    draft_s: float = 0.0  # of decode_s, the time the drafter took to propose
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +169,7 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
         else:
             seen = hidden[ids] if history is None else history.features(ids)
             trees = list(drafter.propose([np.asarray(contexts[b]) for b in ids], hidden=seen))
+            result.draft_s += time.perf_counter() - step_start
             if len(trees) != len(ids):  # zip below would silently drop sequences
                 raise ValueError(f"the drafter returned {len(trees)} trees for {len(ids)} sequences")
             for b, tree in zip(ids, trees):
