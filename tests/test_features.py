@@ -51,6 +51,9 @@ def test_forget_frees_a_request_and_target_features_check_their_lengths():
     history.forget("a")
     history.forget("never written")  # no error
     assert "a" not in history and history.end("a") is None and history.features(["b"]).live == {(history.run, "b")}
+    history.write("c", 0, torch.ones(1, 1))
+    history.keep_only({"c": "a runner's live requests"})
+    assert "b" not in history and "c" in history
     with pytest.raises(ValueError, match="one feature tensor and start per request, got 1 tensors and 2 starts"):
         TargetFeatures((0,), ["b"], [torch.ones(3, 1)], starts=[0, 1])
     picked = TargetFeatures((0,), ["x", "y"], [torch.ones(3, 1), torch.ones(1, 1)], starts=[5, 0])[[1, 0]]

@@ -75,6 +75,29 @@ def test_training_lowers_the_held_out_loss(tiny):
     torch.testing.assert_close(head.embed_tokens.weight, tiny.vocab_weights()[0])
 
 
+def test_the_teacher_is_the_targets_distribution_at_the_state_that_chose_each_token(tiny, answers, data):
+    """With the target's LM head as teacher, each trained row's distribution is the target's at the state
+    that chose its target token: on greedy answers its argmax is that token. Training against it lowers the
+    held-out loss."""
+    from treeattn.speculative.eagle_train import _teacher_rows, _vocab_index
+
+    train, held = data
+    head = fresh_head(tiny, answers)
+    lm_head = tiny.vocab_weights()[1]
+    rows, vocab_index = _teacher_rows(head, lm_head, train), _vocab_index(head)
+    feats, reads, targets, valid, chose = train.batch(list(range(len(train))), vocab_index, STEPS)
+    for s in range(STEPS):
+        ok = targets[s] >= 0
+        assert ok.sum() > 20 and torch.equal((chose[ok] @ rows.T).argmax(-1), targets[s][ok]), s
+        # the full vocabulary's argmax too: these are the target's own greedy tokens
+        assert torch.equal(vocab_index[(chose[ok] @ lm_head.T).argmax(-1)], targets[s][ok]), s
+    before = eagle3_loss(head, held, steps=STEPS, teacher=lm_head)
+    train_eagle3(head, train, steps=STEPS, epochs=3, batch_size=4, lr=3e-3, teacher=lm_head)
+    assert eagle3_loss(head, held, steps=STEPS, teacher=lm_head) < before
+    with pytest.raises(ValueError, match=r"teacher must be the target's LM head \[96, 64\], got \(96, 32\)"):
+        train_eagle3(head, train, teacher=lm_head[:, :32])
+
+
 def test_resume_is_bit_identical(tiny, answers, data):
     train = data[0]
     full = fresh_head(tiny, answers)
@@ -125,7 +148,7 @@ def test_saved_folder_loads_and_matches_the_training_forward(tiny, answers, data
     for name, value in head.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], value), name
     # The training forward on a batch of two sequences vs the head's own forward, context then a draft chain.
-    feats, reads, _, _ = train.batch([0, 3], torch.zeros(VOCAB, dtype=torch.long), STEPS)
+    feats, reads, _, _, _ = train.batch([0, 3], torch.zeros(VOCAB, dtype=torch.long), STEPS)
     with torch.no_grad():
         batched = ttt_forward(head, feats, reads, STEPS)
         for b, i in enumerate([0, 3]):

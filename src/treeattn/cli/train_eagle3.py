@@ -64,13 +64,14 @@ def run_eagle3(args: argparse.Namespace, model, prompts: list, outputs: list, au
     bar.update(task, completed=len(prompts))
     vocab = shortlist(outputs[:-held_out], model.config.vocab_size, args.vocab)
     head = eagle_train.new_eagle3_head(model, vocab, aux)
+    teacher = model.vocab_weights()[1]  # EAGLE-3's loss: the target's distributions, not only its tokens
     state, on_epoch = resume(head)
     task = bar.add_task("training", total=None, info="")
     eagle_train.train_eagle3(head, data, steps=args.depth, epochs=args.epochs, lr=args.lr, state=state,
-                             on_epoch=on_epoch,
+                             on_epoch=on_epoch, teacher=teacher,
                              progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
     top1 = eagle_train.eagle3_accuracy(head, held, steps=args.depth)
-    loss = eagle_train.eagle3_loss(head, held, steps=args.depth)
+    loss = eagle_train.eagle3_loss(head, held, steps=args.depth, teacher=teacher)
     minutes = (time.perf_counter() - started) / 60
     eagle_train.save_eagle3(head, args.out, target_layers=model.config.num_hidden_layers, model=model_name,
                             prompts=len(prompts), held_out=held_out, max_tokens=args.max_tokens, epochs=args.epochs,

@@ -119,7 +119,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
                    "max_tokens": args.max_tokens}
     train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr}
     if args.arch == "eagle3":  # another head: the answers are reused, the training is not
-        train_config.update(arch="eagle3", aux_layers=list(aux))
+        train_config.update(arch="eagle3", aux_layers=list(aux), loss="target distributions")
     ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
     ckpt = {"data_config": data_config, "train_config": train_config, "outputs": [], "heads": None, "train": None}
     if ckpt_path.is_file():

@@ -13,9 +13,12 @@ drafting) with the true token at ``q + 1``: this is the draft node at depth ``s 
 last context row ``c = q - s + 1``, so it attends to context rows ``0..c`` and to the earlier steps'
 rows on its own chain (row ``c + j`` of step ``j + 1``): EAGLE's causal-plus-diagonal mask. Its
 RoPE position is ``q = c + depth``, ``Eagle3Head``'s draft position. Each step is fit by
-cross-entropy to the target's token ``s + 1`` ahead, mapped into the draft vocabulary (tokens
-outside it are skipped), weighted ``0.8 ** (s - 1)`` as EAGLE-3 does; only tokens of the answers
-count (the prompts are context).
+cross-entropy to the target's next-token distribution ``s + 1`` ahead over the draft vocabulary
+(EAGLE-3's loss: the target's LM head on its final hidden state there, ``teacher``), or without a
+teacher to the target's token there, mapped into the draft vocabulary (tokens outside it are
+skipped); each step weighted ``0.8 ** (s - 1)`` as EAGLE-3 does; only tokens of the answers count
+(the prompts are context). A whole distribution says more per position than its top token: with
+the few answers a CPU can write, it is what makes the head learn faster.
 
 The training forward (``ttt_forward``) computes exactly what ``Eagle3Head.forward`` computes on a
 context append followed by a chain of draft nodes (tests/test_train_eagle3.py checks it), so the
@@ -34,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .eagle import Eagle3Head, HeadConfig, _rotate, default_aux_layers
+from .features import FINAL
 from .heads import Progress, TrainState, causal_hidden_states, fit
 
 __all__ = ["STEP_WEIGHT", "Eagle3Data", "eagle3_accuracy", "eagle3_examples", "eagle3_loss", "new_eagle3_head",
@@ -45,29 +49,44 @@ STEP_WEIGHT = 0.8  # EAGLE-3's per-step loss weight: step s counts 0.8 ** (s - 1
 @dataclass(frozen=True)
 class Eagle3Data:
     """Per sequence (prompt + answer): ``tokens[i]`` ``[T]``, ``features[i]`` ``[T - 1, feature_size]``
-    (positions ``0..T-2``, the aux-layer states concatenated in ascending order) and ``first[i]``,
-    the index in ``tokens[i]`` of the answer's first token (tokens before it are not trained on)."""
+    (positions ``0..T-2``, the aux-layer states concatenated in ascending order), ``first[i]``, the
+    index in ``tokens[i]`` of the answer's first token (tokens before it are not trained on), and
+    ``final[i]`` ``[T - 1, hidden]``, the target's final hidden states there (what a teacher's LM
+    head turns into the target's distributions; ``None``: not kept)."""
 
     tokens: list[torch.Tensor]
     features: list[torch.Tensor]
     first: list[int]
+    final: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.features) == len(self.first)) or not self.tokens:
             raise ValueError("Eagle3Data needs tokens, features and first for at least one sequence, one each")
+        if self.final is not None and len(self.final) != len(self.tokens):
+            raise ValueError(f"Eagle3Data.final needs one tensor per sequence, got {len(self.final)} for "
+                             f"{len(self.tokens)}")
         for i, (t, f) in enumerate(zip(self.tokens, self.features)):
             if f.dim() != 2 or f.shape[0] != t.numel() - 1:
                 raise ValueError(f"features[{i}] must be [{t.numel() - 1}, width] (one row per position but the "
                                  f"last of tokens[{i}]), got {tuple(f.shape)}")
+            if self.final is not None and (self.final[i].dim() != 2 or self.final[i].shape[0] != t.numel() - 1):
+                raise ValueError(f"final[{i}] must be [{t.numel() - 1}, hidden], got {tuple(self.final[i].shape)}")
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def batch(self, index: Sequence[int], vocab_index: torch.Tensor, steps: int):
         """Sequences ``index`` padded to one length: features ``[B, n, F]``, the token each row reads
-        ``[B, n]`` and per step its draft-vocabulary target ``[steps, B, n]`` (``-100``: no loss) and
-        whether it is a target token at all ``[steps, B, n]`` (for accuracy: off-vocabulary is a miss)."""
+        ``[B, n]``, per step its draft-vocabulary target ``[steps, B, n]`` (``-100``: no loss) and
+        whether it is a target token at all ``[steps, B, n]`` (for accuracy: off-vocabulary is a miss),
+        and per row the target's final state that chose its target token ``[B, n, hidden]`` (row ``q``
+        guesses token ``q + 2`` at every step, chosen at position ``q + 1``; None without ``final``)."""
         n = max(self.tokens[i].numel() - 1 for i in index)
+        chose = None
+        if self.final is not None:
+            chose = torch.zeros(len(index), n, self.final[index[0]].shape[1], dtype=self.final[index[0]].dtype)
+            for b, i in enumerate(index):
+                chose[b, :self.final[i].shape[0] - 1] = self.final[i][1:]
         feats = torch.zeros(len(index), n, self.features[index[0]].shape[1], dtype=self.features[index[0]].dtype)
         reads = torch.zeros(len(index), n, dtype=torch.long)
         answer = torch.full((steps, len(index), n), -1, dtype=torch.long)  # target token ids, -1: none
@@ -82,29 +101,34 @@ class Eagle3Data:
                 answer[s, b, q[keep]] = tokens[q[keep] + 2]
         valid = answer >= 0
         targets = torch.where(valid, vocab_index[answer.clamp(min=0)], -100)
-        return feats, reads, targets, valid
+        return feats, reads, targets, valid, chose
 
 
 def eagle3_examples(model, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                     aux_layers: Sequence[int], progress: Progress | None = None) -> Eagle3Data:
     """``Eagle3Data`` of ``model``'s answers ``outputs`` to ``prompts`` (one causal forward each, a
-    ``TreeModel`` that returns ``feature_layers``, e.g. ``treeattn.hf.HFTreeModel``)."""
+    ``TreeModel`` that returns ``feature_layers``, e.g. ``treeattn.hf.HFTreeModel``), with the final
+    hidden states (for a teacher)."""
     if len(prompts) != len(outputs):
         raise ValueError(f"prompts and outputs must pair up, got {len(prompts)} and {len(outputs)}")
-    tokens, features, first = [], [], []
+    tokens, features, first, final = [], [], [], []
+    layers = (*sorted(aux_layers), FINAL)
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{i}] is empty: an answer needs the prompt token that predicted it")
         if len(out) >= 2:  # a step-1 row guesses two tokens ahead: a shorter answer teaches nothing
             seq = list(prompt) + list(out)
             tokens.append(torch.tensor(seq))
-            features.append(causal_hidden_states(model, seq[:-1], tuple(sorted(aux_layers))))
+            states = causal_hidden_states(model, seq[:-1], layers)
+            hidden = states.shape[1] // len(layers)
+            features.append(states[:, :-hidden].contiguous())
+            final.append(states[:, -hidden:].contiguous())
             first.append(len(prompt))
         if progress is not None:
             progress(i + 1, len(prompts), "")
     if not tokens:
         raise ValueError("no answer has two tokens or more: nothing to train on")
-    return Eagle3Data(tokens, features, first)
+    return Eagle3Data(tokens, features, first, final)
 
 
 def _rope_fields(config) -> tuple[float, dict | None]:
@@ -211,22 +235,44 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, reads: torch.Tensor, s
     return finals
 
 
+def _teacher_rows(head: Eagle3Head, teacher: torch.Tensor | None, data: Eagle3Data) -> torch.Tensor | None:
+    """The teacher's LM-head rows of the head's draft vocabulary ``[draft_vocab, hidden]`` (None: no teacher)."""
+    if teacher is None:
+        return None
+    if data.final is None:
+        raise ValueError("a teacher needs the target's final hidden states: Eagle3Data.final (eagle3_examples keeps them)")
+    cfg = head.config
+    if teacher.dim() != 2 or teacher.shape[0] != cfg.vocab_size or teacher.shape[1] != data.final[0].shape[1]:
+        raise ValueError(f"teacher must be the target's LM head [{cfg.vocab_size}, {data.final[0].shape[1]}], got "
+                         f"{tuple(teacher.shape)}")
+    return teacher.detach()[head.to_target(torch.arange(cfg.vocab_size_draft)).cpu()].float()
+
+
 def _batch_loss(head: Eagle3Head, data: Eagle3Data, index: Sequence[int], vocab_index: torch.Tensor,
-                steps: int) -> torch.Tensor:
-    feats, reads, targets, _ = data.batch(index, vocab_index, steps)
+                steps: int, teacher: torch.Tensor | None) -> torch.Tensor:
+    feats, reads, targets, _, chose = data.batch(index, vocab_index, steps)
     total = torch.zeros(())
     for s, final in enumerate(ttt_forward(head, feats, reads, steps)):
         ok = targets[s] >= 0
-        if ok.any():
-            total = total + STEP_WEIGHT ** s * F.cross_entropy(head.logits(final[ok]), targets[s][ok])
+        if not ok.any():
+            continue
+        logits = head.logits(final[ok])
+        if teacher is None:
+            loss = F.cross_entropy(logits, targets[s][ok])
+        else:  # the target's distribution over the draft vocabulary, from the state that chose the token
+            wanted = torch.softmax(chose[ok].float() @ teacher.T, dim=-1)
+            loss = -(wanted * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        total = total + STEP_WEIGHT ** s * loss
     return total
 
 
 def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: int = 4, batch_size: int = 8,
                  lr: float = 1e-3, seed: int = 0, state: TrainState | None = None, progress: Progress | None = None,
-                 on_epoch: Callable[[TrainState], None] | None = None) -> TrainState:
+                 on_epoch: Callable[[TrainState], None] | None = None,
+                 teacher: torch.Tensor | None = None) -> TrainState:
     """Fit ``head`` to ``data`` with the training-time test over ``steps`` draft steps (AdamW, cosine
-    decay; embeddings frozen), ``batch_size`` sequences per update.
+    decay; embeddings frozen), ``batch_size`` sequences per update. ``teacher``: the target's LM head
+    ``[vocab, hidden]``, to fit the target's distributions (needs ``data.final``); ``None``: its tokens.
 
     Resumes from ``state`` (epochs done are skipped; shuffles are seeded per epoch, so a resumed run
     sees the same batches and ends bit-identical); ``on_epoch(state)`` after each epoch (to checkpoint).
@@ -236,20 +282,22 @@ def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: 
     for name, value in (("steps", steps), ("epochs", epochs), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    vocab_index = _vocab_index(head)
+    vocab_index, rows = _vocab_index(head), _teacher_rows(head, teacher, data)
     head.train()
     state = fit([p for p in head.parameters() if p.requires_grad], len(data),
-                lambda index: _batch_loss(head, data, index.tolist(), vocab_index, steps), epochs=epochs,
+                lambda index: _batch_loss(head, data, index.tolist(), vocab_index, steps, rows), epochs=epochs,
                 batch=batch_size, lr=lr, seed=seed, state=state, progress=progress, on_epoch=on_epoch)
     head.eval()
     return state
 
 
 @torch.no_grad()
-def eagle3_loss(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, batch_size: int = 8) -> float:
-    """The training loss (step-weighted cross-entropy) of ``head`` on ``data``, averaged over batches."""
-    vocab_index = _vocab_index(head)
-    losses = [_batch_loss(head, data, range(i, min(i + batch_size, len(data))), vocab_index, steps).item()
+def eagle3_loss(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, batch_size: int = 8,
+                teacher: torch.Tensor | None = None) -> float:
+    """The training loss (step-weighted cross-entropy, against ``teacher``'s distributions when given)
+    of ``head`` on ``data``, averaged over batches."""
+    vocab_index, rows = _vocab_index(head), _teacher_rows(head, teacher, data)
+    losses = [_batch_loss(head, data, range(i, min(i + batch_size, len(data))), vocab_index, steps, rows).item()
               for i in range(0, len(data), batch_size)]
     return sum(losses) / len(losses)
 
@@ -262,7 +310,7 @@ def eagle3_accuracy(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, batch
     vocab_index = _vocab_index(head)
     hits, count = torch.zeros(steps), torch.zeros(steps)
     for i in range(0, len(data), batch_size):
-        feats, reads, targets, valid = data.batch(range(i, min(i + batch_size, len(data))), vocab_index, steps)
+        feats, reads, targets, valid, _ = data.batch(range(i, min(i + batch_size, len(data))), vocab_index, steps)
         for s, final in enumerate(ttt_forward(head, feats, reads, steps)):
             best = head.logits(final).argmax(-1)
             hits[s] += ((best == targets[s]) & valid[s]).sum()

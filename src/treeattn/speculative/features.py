@@ -126,6 +126,11 @@ class FeatureHistory:
         self._rows.pop(request, None)
         self._span.pop(request, None)
 
+    def keep_only(self, requests) -> None:
+        """Forget every request not in ``requests`` (a container: the runner's live requests)."""
+        for request in [r for r in self._rows if r not in requests]:
+            self.forget(request)
+
     def features(self, requests: Sequence[Hashable]) -> TargetFeatures:
         """``TargetFeatures`` of ``requests``, named ``(run, request)``; every request held is live."""
         spans = [self._span[r] for r in requests]

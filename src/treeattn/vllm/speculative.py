@@ -630,6 +630,12 @@ def _install_runner_hooks() -> None:
         if isinstance(getattr(self, "drafter", None), TreeProposer):
             if len(self.input_batch.block_table.block_tables) != 1:
                 raise NotImplementedError("tree speculation supports models with one KV cache group")
+            # What belongs to finished requests goes (vLLM has dropped them from self.requests by now;
+            # a step that schedules nothing prepares nothing, so its finished requests go at the next).
+            for r in [r for r in self.drafter.trees if r not in self.requests]:
+                del self.drafter.trees[r]
+            if self.drafter.features is not None:
+                self.drafter.features.keep_only(self.requests)
             total = scheduler_output.total_num_scheduled_tokens
             slots = self.input_batch.block_table.block_tables[0].slot_mapping.gpu[:total].clone()
             num_reqs = self.input_batch.num_reqs
@@ -662,10 +668,6 @@ def _install_runner_hooks() -> None:
             req_ids = self.input_batch.req_ids
             drafter._rows = [(r, plain_decoding_reason(self.requests[r].sampling_params) is not None)
                              for r in req_ids]
-            for r in scheduler_output.finished_req_ids:
-                drafter.trees.pop(r, None)
-                if drafter.features is not None:
-                    drafter.features.forget(r)
             drafter.record_features(req_ids, hidden_states, aux_hidden_states)
             if drafter._hidden_rows is not None:  # the state that chose each request's last token
                 drafter._hidden = hidden_states[torch.from_numpy(drafter._hidden_rows).to(hidden_states.device)]
