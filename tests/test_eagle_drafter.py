@@ -8,6 +8,7 @@ per-request state and the target features it is fed, not acceptance rates.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -76,7 +77,9 @@ def test_generate_with_published_heads_is_greedy(model, heads, kind):
     plain = generate(model, prompts, max_new_tokens=16)
     for drafter, adaptive in ((EagleDrafter(heads[kind], budget=10), False),
                               (AdaptiveDrafter(EagleDrafter(heads[kind]), cost=CostModel.fixed(*CHEAP)), True)):
+        started = time.perf_counter()
         spec = generate(model, prompts, max_new_tokens=16, drafter=drafter, adaptive=adaptive)
+        assert 0 < spec.draft_s < spec.decode_s and spec.elapsed_s <= time.perf_counter() - started  # timed right
         assert spec.tokens == plain.tokens, (kind, adaptive)
         assert spec.mean_tree_size > 2  # it drafted trees, not lone roots
 

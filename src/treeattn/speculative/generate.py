@@ -197,8 +197,8 @@ def generate(model: TreeModel, prompts: Sequence[Sequence[int]], *, max_new_toke
         leaf_rows = torch.tensor([s + leaf for s, leaf in zip(node_starts.tolist(), res.leaf_indices)])
         hidden[ids] = out.hidden[leaf_rows]
         if history is not None:  # the accepted path's positions (root first) now have their features
-            for b, start, path in zip(ids, node_starts.tolist(), res.paths):  # the root is the context's last token
-                history.write(b, len(contexts[b]) - 1, out.features[[start + node for node in path]])
+            for b, first, path in zip(ids, node_starts.tolist(), res.paths):  # the root is the context's last token
+                history.write(b, len(contexts[b]) - 1, out.features[[first + node for node in path]])
         if learner is not None:
             learner.observe(res.tokens, time.perf_counter() - step_start)
         for b, new, size in zip(ids, res.tokens, sizes):
