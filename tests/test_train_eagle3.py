@@ -98,6 +98,19 @@ def test_the_teacher_is_the_targets_distribution_at_the_state_that_chose_each_to
         train_eagle3(head, train, teacher=lm_head[:, :32])
 
 
+def test_sampled_answers_vary_and_resume_identically(tiny, answers):
+    """Sampled answers differ from the greedy ones and from each other; an interrupted run that resumes
+    from the batches it finished samples the same answers as an uninterrupted one (a seed per batch)."""
+    from treeattn.speculative import SamplingParams
+
+    prompts, greedy = answers[0][:6], answers[1][:6]
+    hot = SamplingParams(1.5)
+    full = self_distill(tiny, prompts * 2, max_new_tokens=12, batch_size=4, sampling=hot, seed=3)
+    resumed = self_distill(tiny, prompts * 2, max_new_tokens=12, batch_size=4, sampling=hot, seed=3, done=full[:4])
+    assert resumed == full
+    assert full[:6] != full[6:] and full[:6] != [g[:12] for g in greedy]
+
+
 def test_resume_is_bit_identical(tiny, answers, data):
     train = data[0]
     full = fresh_head(tiny, answers)
@@ -189,10 +202,18 @@ def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch
     assert len(meta["top1"]) == 2 and meta["prompts"] == 4 and meta["epochs"] == 2
     assert not (tmp_path / "e3.ckpt").exists()  # removed once training ended
     assert "draft step" in capsys.readouterr().out
+    # --samples 3: two sampled answers more per training prompt (3 of the 4 prompts; the 4th is held out)
+    args = build_parser().parse_args([*argv, "--aux-layers", "2,0,1", "--samples", "3", "--out", str(tmp_path / "s3")])
+    assert args.run(args) == 0
+    meta = json.loads((tmp_path / "s3" / "config.json").read_text())["treeattn"]
+    assert meta["prompts"] == 4 and meta["held_out"] == 1 and meta["samples"] == 3
+    assert "trained on 9 answers" in capsys.readouterr().out
     for bad_args, flag in ((argv[1:], "--aux-layers"),  # a 2-layer target: EAGLE-3's defaults do not fit
                            ([*argv[1:], "--aux-layers", "0,1,3"], "--aux-layers"),
                            (["--aux-layers", "0,1,2"], "--aux-layers"),  # without --arch eagle3
-                           ([*argv[1:], "--aux-layers", "0,1,2", "--depth", "0"], "--depth")):
+                           ([*argv[1:], "--aux-layers", "0,1,2", "--depth", "0"], "--depth"),
+                           ([*argv[1:], "--aux-layers", "0,1,2", "--samples", "0"], "--samples"),
+                           ([*argv[1:], "--aux-layers", "0,1,2", "--samples", "2", "--temperature", "0"], "--temperature")):
         bad = build_parser().parse_args(argv[:1] + bad_args)
         assert bad.run(bad) == 2
         assert flag in capsys.readouterr().err

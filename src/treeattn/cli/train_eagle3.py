@@ -46,23 +46,22 @@ def check_aux_layers(asked: tuple[int, ...] | None, num_layers: int) -> tuple[tu
 Resume = Callable[[torch.nn.Module], tuple[TrainState, Callable[[TrainState], None]]]
 
 
-def run_eagle3(args: argparse.Namespace, model, prompts: list, outputs: list, aux: tuple[int, ...], resume: Resume,
-               bar: Progress, started: float, model_name: str) -> int:
-    """Train and write the head from ``outputs`` (the model's answers to ``prompts``; the last tenth
-    held out); ``resume(head)`` loads a checkpoint into the head and gives its ``TrainState`` and the
-    per-epoch checkpointer."""
+def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: tuple[list, list], aux: tuple[int, ...],
+               resume: Resume, bar: Progress, started: float, model_name: str) -> int:
+    """Train and write the head from the model's answers ``train`` (``(prompts, answers)``) and report its
+    accuracy on ``held`` (held-out prompts and greedy answers); ``resume(head)`` loads a checkpoint into
+    the head and gives its ``TrainState`` and the per-epoch checkpointer."""
     console, err = bar.console, Console(stderr=True)
-    held_out = max(1, len(prompts) // 10)
-    task = bar.add_task("target features", total=len(prompts), info="")
+    held_out = len(held[0])
+    task = bar.add_task("target features", total=len(train[0]), info="")
     try:
-        data = eagle_train.eagle3_examples(model, prompts[:-held_out], outputs[:-held_out], aux,
-                               progress=lambda d, t, info: bar.update(task, completed=d))
-        held = eagle_train.eagle3_examples(model, prompts[-held_out:], outputs[-held_out:], aux)
+        data = eagle_train.eagle3_examples(model, *train, aux, progress=lambda d, t, info: bar.update(task, completed=d))
+        held = eagle_train.eagle3_examples(model, *held, aux)
     except ValueError as exc:  # e.g. every answer ended at once (EOS)
         err.print(f"[red]treeattn train-heads: the answers cannot train a head: {exc}[/red]")
         return 2
-    bar.update(task, completed=len(prompts))
-    vocab = shortlist(outputs[:-held_out], model.config.vocab_size, args.vocab)
+    bar.update(task, completed=len(train[0]))
+    vocab = shortlist(train[1], model.config.vocab_size, args.vocab)
     head = eagle_train.new_eagle3_head(model, vocab, aux)
     teacher = model.vocab_weights()[1]  # EAGLE-3's loss: the target's distributions, not only its tokens
     state, on_epoch = resume(head)
@@ -74,8 +73,9 @@ def run_eagle3(args: argparse.Namespace, model, prompts: list, outputs: list, au
     loss = eagle_train.eagle3_loss(head, held, steps=args.depth, teacher=teacher)
     minutes = (time.perf_counter() - started) / 60
     eagle_train.save_eagle3(head, args.out, target_layers=model.config.num_hidden_layers, model=model_name,
-                            prompts=len(prompts), held_out=held_out, max_tokens=args.max_tokens, epochs=args.epochs,
-                            lr=args.lr, top1=top1, held_out_loss=loss, minutes=round(minutes, 1))
+                            prompts=len(train[0]) // args.samples + held_out, held_out=held_out, samples=args.samples,
+                            max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr, top1=top1, held_out_loss=loss,
+                            minutes=round(minutes, 1))
     table = Table(title=f"held-out accuracy ({held_out} prompts, loss {loss:.3f})", box=box.SIMPLE_HEAD)
     for col in ("draft step", "guesses", "top-1"):
         table.add_column(col, justify="right")

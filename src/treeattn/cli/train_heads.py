@@ -2,9 +2,10 @@
 transformers' LlamaForCausalLM with treeattn's attention, ``treeattn.models.load_smollm2``).
 
 Three stages, each checkpointed so that an interrupted run resumes where it stopped (rerun the same
-command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``),
-its hidden states along those answers become the training data, then the head is trained (one
-checkpoint per epoch). The last tenth of the prompts is held out to report the accuracy of each
+command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``)
+and, with ``--samples N``, ``N - 1`` sampled answers more to each training prompt; its hidden states
+along those answers become the training data, then the head is trained (one checkpoint per epoch).
+The last tenth of the prompts is held out (their greedy answers) to report the accuracy of each
 draft step. ``--arch eagle3`` trains an EAGLE-3 head instead (``train_eagle3``), written as an EAGLE-3
 checkpoint folder.
 """
@@ -31,6 +32,7 @@ from rich.progress import (
 from rich.table import Table
 
 from ..models.loader import ModelNotAvailable, load_smollm2
+from ..speculative import SamplingParams
 from ..speculative.heads import (
     DEFAULT_HEADS,
     PROMPTS_FILE,
@@ -62,6 +64,11 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
                         help="prompts, one per line (default: the 644 shipped with treeattn)")
     parser.add_argument("--max-tokens", type=int, default=160, help="answer tokens per prompt (default 160)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="answers per training prompt: the greedy one and N - 1 sampled at --temperature, more "
+                             "data from the same prompts (default 1: greedy only)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="temperature of the sampled answers (--samples; default 0.8)")
     parser.add_argument("--depth", type=int, default=4, help="draft steps the head learns to chain (default 4)")
     parser.add_argument("--vocab", type=int, default=4096,
                         help="draft vocabulary: the answers' most frequent tokens (default 4096)")
@@ -81,10 +88,13 @@ def _progress(console: Console) -> Progress:
 def main_train_heads(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     err = Console(stderr=True)
-    for name in ("max_tokens", "depth", "epochs", "batch"):
+    for name in ("max_tokens", "depth", "epochs", "batch", "samples"):
         if getattr(args, name) < 1:
             err.print(f"[red]--{name.replace('_', '-')} must be >= 1[/red]")
             return 2
+    if not args.temperature > 0:
+        err.print(f"[red]--temperature must be > 0 (the sampled answers' temperature), got {args.temperature}[/red]")
+        return 2
     if args.vocab < 2 or args.max_tokens < 2:
         err.print("[red]--vocab and --max-tokens must be >= 2 (a draft guesses the token after the next)[/red]")
         return 2
@@ -117,18 +127,24 @@ def main_train_heads(args: argparse.Namespace) -> int:
     # The answers depend on the prompts and their length only: they survive a change of training settings.
     data_config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
                    "max_tokens": args.max_tokens}
-    train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr}
+    # Sampled answers depend on these too: other values sample again, and the greedy answers stay.
+    sample_config = {"samples": args.samples, "temperature": args.temperature} if args.samples > 1 else {}
+    train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr, **sample_config}
     if args.arch == "eagle3":  # another head: the answers are reused, the training is not
         train_config.update(arch="eagle3", aux_layers=list(aux), loss="target distributions")
     ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
-    ckpt = {"data_config": data_config, "train_config": train_config, "outputs": [], "heads": None, "train": None}
+    ckpt = {"data_config": data_config, "sample_config": sample_config, "train_config": train_config, "outputs": [],
+            "sampled": [], "heads": None, "train": None}
     if ckpt_path.is_file():
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         if saved.get("data_config") == data_config:
             ckpt["outputs"] = saved["outputs"]
+            if saved.get("sample_config") == sample_config:
+                ckpt["sampled"] = saved.get("sampled", [])
             if saved.get("train_config") == train_config:
                 ckpt["heads"], ckpt["train"] = saved["heads"], saved["train"]
             console.print(f"resuming from {ckpt_path}: {len(ckpt['outputs'])}/{len(prompts)} answers, "
+                          f"{len(ckpt['sampled'])} sampled, "
                           f"{(ckpt['train'] or {}).get('epoch', 0)}/{args.epochs} epochs")
         else:
             console.print(f"[yellow]{ckpt_path} holds answers to other prompts: starting over[/yellow]")
@@ -165,23 +181,37 @@ def main_train_heads(args: argparse.Namespace) -> int:
         outputs = self_distill(model, prompts, max_new_tokens=args.max_tokens, batch_size=args.batch,
                                stop_tokens=[tokenizer.eos_token_id], done=ckpt["outputs"], on_batch=on_batch,
                                progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+        held_out = max(1, len(prompts) // 10)
+        train = (prompts[:-held_out], outputs[:-held_out])
+        held = (prompts[-held_out:], outputs[-held_out:])  # greedy answers: what drafts must match
+        if args.samples > 1:
+            again = train[0] * (args.samples - 1)
+            task = bar.add_task("sampled answers", total=len(again), completed=len(ckpt["sampled"]), info="")
+
+            def on_sampled(sampled):
+                ckpt["sampled"] = sampled
+                save()
+
+            sampled = self_distill(model, again, max_new_tokens=args.max_tokens, batch_size=args.batch,
+                                   stop_tokens=[tokenizer.eos_token_id], done=ckpt["sampled"], on_batch=on_sampled,
+                                   sampling=SamplingParams(args.temperature),
+                                   progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+            train = (train[0] + again, train[1] + sampled)
         if args.arch == "eagle3":
-            code = run_eagle3(args, model, prompts, outputs, aux, resume, bar, started, MODEL_NAME)
+            code = run_eagle3(args, model, train, held, aux, resume, bar, started, MODEL_NAME)
             if code == 0:
                 ckpt_path.unlink(missing_ok=True)
             return code
-        held_out = max(1, len(prompts) // 10)
-        task = bar.add_task("hidden states", total=len(prompts), info="")
+        task = bar.add_task("hidden states", total=len(train[0]), info="")
         try:
-            data = head_examples(model, prompts[:-held_out], outputs[:-held_out],
-                                 progress=lambda d, t, info: bar.update(task, completed=d))
-            held = head_examples(model, prompts[-held_out:], outputs[-held_out:])
+            data = head_examples(model, *train, progress=lambda d, t, info: bar.update(task, completed=d))
+            held = head_examples(model, *held)
         except ValueError as exc:  # e.g. every answer ended at once (EOS)
             err.print(f"[red]treeattn train-heads: the answers cannot train a head: {exc}[/red]")
             return 2
-        bar.update(task, completed=len(prompts))
+        bar.update(task, completed=len(train[0]))
         weights = model.vocab_weights()
-        vocab = shortlist(outputs[:-held_out], weights[1].shape[0], args.vocab)
+        vocab = shortlist(train[1], weights[1].shape[0], args.vocab)
         heads = DraftHeads(model.config.hidden_size, vocab, depth=args.depth)
         state, on_epoch = resume(heads)
         task = bar.add_task("training", total=None, info="")
@@ -191,7 +221,8 @@ def main_train_heads(args: argparse.Namespace) -> int:
     top1 = head_accuracy(heads, weights, held, top_k=1)
     top4 = head_accuracy(heads, weights, held, top_k=4)
     minutes = (time.perf_counter() - started) / 60
-    save_heads(heads, args.out, model=MODEL_NAME, prompts=len(prompts), held_out=held_out, rows=len(data),
+    save_heads(heads, args.out, model=MODEL_NAME, prompts=len(prompts), held_out=held_out, samples=args.samples,
+               rows=len(data),
                max_tokens=args.max_tokens, vocab=len(vocab), epochs=args.epochs, lr=args.lr, top1=top1, top4=top4,
                minutes=round(minutes, 1), threads=threads)
     ckpt_path.unlink(missing_ok=True)
@@ -202,5 +233,5 @@ def main_train_heads(args: argparse.Namespace) -> int:
         table.add_row(str(j + 1), f"token t+{j + 2}", f"{a1:.1%}", f"{a4:.1%}")
     console.print(table)
     console.print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB) in {minutes:.1f} min; "
-                  f"trained on {len(data)} positions of {len(prompts) - held_out} answers")
+                  f"trained on {len(data)} positions of {len(train[0])} answers")
     return 0

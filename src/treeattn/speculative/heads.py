@@ -321,9 +321,11 @@ class HeadDrafter:
 
 def self_distill(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 96, batch_size: int = 16,
                  stop_tokens: Sequence[int] = (), done: Sequence[list[int]] = (),
-                 progress: Progress | None = None, on_batch: Callable[[list[list[int]]], None] | None = None
-                 ) -> list[list[int]]:
-    """The model's greedy continuation of every prompt, ``batch_size`` prompts per ``generate`` call.
+                 progress: Progress | None = None, on_batch: Callable[[list[list[int]]], None] | None = None,
+                 sampling=None, seed: int = 0) -> list[list[int]]:
+    """The model's greedy continuation of every prompt, ``batch_size`` prompts per ``generate`` call;
+    with ``sampling`` (``SamplingParams``) a sampled one instead, each batch from its own seed
+    (``seed`` + its first prompt's index, so a resumed run samples what an uninterrupted one would).
 
     ``done`` holds the continuations of the first prompts from an earlier, interrupted run (they are
     kept); ``on_batch(all_so_far)`` is called after each batch (to checkpoint).
@@ -333,7 +335,9 @@ def self_distill(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int
     outputs = [list(o) for o in done]
     for start in range(len(outputs), len(prompts), batch_size):
         chunk = [list(p) for p in prompts[start:start + batch_size]]
-        result = generate(model, chunk, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens)
+        generator = None if sampling is None else torch.Generator().manual_seed(seed + start)
+        result = generate(model, chunk, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, sampling=sampling,
+                          generator=generator)
         outputs.extend(result.tokens)
         if on_batch is not None:
             on_batch(outputs)
