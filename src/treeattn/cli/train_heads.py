@@ -172,30 +172,26 @@ def main_train_heads(args: argparse.Namespace) -> int:
     console.print(f"[bold]{MODEL_NAME}[/bold], {threads} thread{'s' if threads != 1 else ''}{why}: {len(prompts)} prompts, "
                   f"{args.max_tokens} tokens each, a {args.depth}-step draft head")
     with _progress(console) as bar, model.attention():  # "treeattn" for every forward of the run
-        task = bar.add_task("model answers", total=len(prompts), completed=len(ckpt["outputs"]), info="")
 
-        def on_batch(outputs):
-            ckpt["outputs"] = outputs
-            save()
+        def answers(stage: str, key: str, asked: list, sampling: SamplingParams | None = None) -> list:
+            """The model's answers to ``asked``, checkpointed under ``ckpt[key]`` after each batch."""
+            task = bar.add_task(stage, total=len(asked), completed=len(ckpt[key]), info="")
 
-        outputs = self_distill(model, prompts, max_new_tokens=args.max_tokens, batch_size=args.batch,
-                               stop_tokens=[tokenizer.eos_token_id], done=ckpt["outputs"], on_batch=on_batch,
-                               progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+            def on_batch(done):
+                ckpt[key] = done
+                save()
+
+            return self_distill(model, asked, max_new_tokens=args.max_tokens, batch_size=args.batch,
+                                stop_tokens=[tokenizer.eos_token_id], done=ckpt[key], on_batch=on_batch,
+                                sampling=sampling, progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+
+        outputs = answers("model answers", "outputs", prompts)
         held_out = max(1, len(prompts) // 10)
         train = (prompts[:-held_out], outputs[:-held_out])
         held = (prompts[-held_out:], outputs[-held_out:])  # greedy answers: what drafts must match
         if args.samples > 1:
             again = train[0] * (args.samples - 1)
-            task = bar.add_task("sampled answers", total=len(again), completed=len(ckpt["sampled"]), info="")
-
-            def on_sampled(sampled):
-                ckpt["sampled"] = sampled
-                save()
-
-            sampled = self_distill(model, again, max_new_tokens=args.max_tokens, batch_size=args.batch,
-                                   stop_tokens=[tokenizer.eos_token_id], done=ckpt["sampled"], on_batch=on_sampled,
-                                   sampling=SamplingParams(args.temperature),
-                                   progress=lambda d, t, info: bar.update(task, completed=d, info=info))
+            sampled = answers("sampled answers", "sampled", again, SamplingParams(args.temperature))
             train = (train[0] + again, train[1] + sampled)
         if args.arch == "eagle3":
             code = run_eagle3(args, model, train, held, aux, resume, bar, started, MODEL_NAME)
