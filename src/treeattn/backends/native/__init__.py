@@ -19,7 +19,7 @@ Kernel paths (``isas()``: the ones this CPU has), picked per dtype at run time:
 - ``avx512`` / ``avx2`` / ``generic``: the FMA kernel (``csrc/kernel.hpp``) on 16 or 8 fp32 lanes, or
   portable C++; every dtype is widened to fp32.
 The default takes, per dtype, the first of ``_ORDER``'s paths this CPU has, a brgemm path only where it
-passes its check and pays (oneDNN's micro-kernel for the dtype measures >= 1.3x the FMA peak here).
+passes its check and pays (it runs a probe of tree steps at least 1.05x as fast as the FMA kernel here).
 ``TREEATTN_NATIVE_ISA`` or ``NativeBackend(isa=...)`` forces one path for every dtype.
 
 Every attention variant runs in the kernel: a sliding window bounds each work item's keys (keys below
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from typing import NamedTuple
 
@@ -49,15 +50,16 @@ _MAX_WINDOW = 1 << 62  # larger windows (past any context) are passed as this, w
 
 
 # Path preference, every dtype (names that this CPU lacks are skipped). A brgemm path is taken for a dtype
-# only where it is correct here (its self-check) and pays: oneDNN's micro-kernel for the dtype measures at
-# least _MIN_GAIN times the FMA kernel's peak on this CPU (one thread, a few ms, once per process; see
-# `speed`). Measured on a Sapphire Rapids (1 thread, GFLOP/s): FMA avx512 195; brgemm bf16 871 (AMX),
-# fp32 148, fp16 54 (AVX512-FP16 without AMX-FP16: oneDNN widens to fp32): only bf16 pays. On a Zen 5
-# (AVX512-BF16) bf16 ran 1.3-1.5x our fp32 and fp32 brgemm 0.9x the FMA kernel. A forced path
-# (TREEATTN_NATIVE_ISA, isa=...) runs whether or not it pays.
+# only where it is correct here (its self-check) and pays: on a probe of tree-verification steps (`speed`,
+# once per process and dtype, on the process's threads) it runs at least _MIN_GAIN times as fast as the
+# best FMA path. The kernels are timed, not the chips' peaks: the brgemm kernel spends its FLOPs in
+# oneDNN's GEMMs at ~90% of their peak, the FMA kernel at ~45% of its own, so peaks mislead. Measured on
+# a Sapphire Rapids (2 threads, brgemm-avx512 against avx512, h 32/8 or 9/3): bf16 (AMX) 2.5-5x; fp32
+# 0.97-1.25x (1.12-1.21x on batches of 16-node trees, though its GEMM peak is 0.8x the FMA peak); fp16 0.7-0.85x
+# (AVX512-FP16 without AMX-FP16: oneDNN widens to fp32). _MIN_GAIN keeps the FMA kernel where the two tie
+# within the probe's noise. A forced path (TREEATTN_NATIVE_ISA, isa=...) runs whether or not it pays.
 _ORDER = ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic")
-_MIN_GAIN = 1.3
-_PEAK_KIND = {torch.float32: "brgemm-fp32", torch.bfloat16: "brgemm-bf16", torch.float16: "brgemm-fp16"}
+_MIN_GAIN = 1.05
 # A brgemm path's self-check tolerance against the FMA kernel (both accumulate in fp32), absolute and
 # relative: both round the output to the dtype (an ulp each: 2^-8 bf16, 2^-11 fp16), and the brgemm path
 # also rounds P (its products add up to at most another ulp); fp32 differs in summation order only.
@@ -85,8 +87,8 @@ class NativeBackend(Backend):
     name = "native"
     # (extension, path, dtype) -> why the brgemm path failed its self-check, or None: once per process.
     _checks: dict[tuple[Extension, str, torch.dtype], str | None] = {}
-    # (extension, dtype) -> (brgemm, FMA) peaks in GFLOP/s (see speed): once per process.
-    _speeds: dict[tuple[Extension, torch.dtype], tuple[float, float]] = {}
+    # (extension, brgemm path, dtype) -> (its, the FMA kernel's) GFLOP/s on a probe (see speed): once per process.
+    _speeds: dict[tuple[Extension, str, torch.dtype], tuple[float, float]] = {}
     _check_lock = threading.Lock()
 
     def __init__(self, isa: str | None = None, extension: Extension = EXTENSION):
@@ -107,27 +109,53 @@ class NativeBackend(Backend):
             return self.isa
         have = self.isas()
         return next(isa for isa in _ORDER if isa in have
-                    and not (_brgemm(isa) and (self.check(isa, dtype) or not self.pays(dtype))))
+                    and not (_brgemm(isa) and (self.check(isa, dtype) or not self.pays(isa, dtype))))
 
-    def pays(self, dtype: torch.dtype) -> bool:
-        """Whether oneDNN's micro-kernel for ``dtype`` is at least ``_MIN_GAIN`` times this CPU's FMA peak."""
-        brgemm, fma = self.speed(dtype)
+    def pays(self, isa: str, dtype: torch.dtype) -> bool:
+        """Whether brgemm path ``isa`` runs ``dtype`` at least ``_MIN_GAIN`` times as fast as the FMA kernel."""
+        brgemm, fma = self.speed(isa, dtype)
         return brgemm >= _MIN_GAIN * fma
 
-    def speed(self, dtype: torch.dtype) -> tuple[float, float]:
-        """(oneDNN's brgemm peak for ``dtype``, the FMA kernel's peak) in GFLOP/s on one thread, measured
-        once per process (the best of 3 short runs each); 0.0 for a brgemm kernel that raises."""
-        key = (self.extension, dtype)
+    def speed(self, isa: str, dtype: torch.dtype) -> tuple[float, float]:
+        """(brgemm path ``isa``'s, the best FMA path's) GFLOP/s on ``dtype`` tree steps: a probe of 4
+        requests of 16-node trees after 1000-token prefixes (h 16/4, d 128, 0.5 GFLOP), on this process's
+        threads, the best of 3 interleaved calls each; measured once per process; 0.0 for a path that raises."""
+        key = (self.extension, isa, dtype)
         with self._check_lock:
             if key not in self._speeds:
-                module = self.extension.module()
-                fma = "fma-avx512" if "avx512" in self.isas() else "fma-avx2"
-                try:
-                    brgemm = max(module.peak(_PEAK_KIND[dtype], 20, 1) for _ in range(3))
-                except RuntimeError:  # no micro-kernel for this dtype here
-                    brgemm = 0.0
-                self._speeds[key] = (brgemm, max(module.peak(fma, 100_000, 1) for _ in range(3)))
+                self._speeds[key] = self._probe(isa, dtype)
             return self._speeds[key]
+
+    def _probe(self, isa: str, dtype: torch.dtype) -> tuple[float, float]:
+        from ...plan import TreeAttentionPlan
+        from ...testing import Request, make_batch, random_tree
+        from ...tree import tree_depths
+
+        rng = np.random.default_rng(0)
+        trees = [random_tree(rng, 16) for _ in range(4)]
+        batch = make_batch([Request(t, prefix=1000) for t in trees], h_q=16, h_kv=4, d=128, dtype=dtype, seed=7)
+        visible = sum(len(t) * 1000 + int((tree_depths(t) + 1).sum()) for t in trees)
+        flops = 4.0 * 16 * 128 * visible
+        plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+        spec = AttentionSpec(torch.device("cpu"), dtype, 16, 4, 128, 128)
+        out = torch.empty_like(batch.q)
+        lse = torch.empty(batch.q.shape[:2])
+        paths = (isa, next(name for name in self.isas() if not _brgemm(name)))
+        states = [self._state(plan, spec, name) for name in paths]
+        times: list[list[float] | None] = [[], []]
+        for round_ in range(4):  # the first round warms up (and builds oneDNN's kernels)
+            for i, state in enumerate(states):
+                if times[i] is None:
+                    continue
+                start = time.perf_counter()
+                try:
+                    self._run(batch.q, batch.k, batch.v, state, 0, 0.125, out, lse, None)
+                except Exception:  # no kernel for this dtype here (the self-check says why)
+                    times[i] = None
+                    continue
+                if round_:
+                    times[i].append(time.perf_counter() - start)
+        return tuple(flops / min(t) / 1e9 if t else 0.0 for t in times)
 
     def check(self, isa: str, dtype: torch.dtype) -> str | None:
         """Why brgemm path ``isa`` cannot be trusted with ``dtype`` here (None: it can). Checked once per
