@@ -103,13 +103,14 @@ class NativeBackend(Backend):
         return list(self.extension.module().isas())
 
     def path(self, dtype: torch.dtype) -> str:
-        """The kernel path that runs ``dtype``: the forced one, or the first of ``_ORDER`` this CPU has,
-        a brgemm path only where its self-check passes and it pays (``speed``)."""
+        """The kernel path that runs ``dtype``: the forced one; else the first brgemm path of ``_ORDER``
+        this CPU has that passes its self-check, if it pays (``speed``); else the first FMA path."""
         if self.isa:
             return self.isa
-        have = self.isas()
-        return next(isa for isa in _ORDER if isa in have
-                    and not (_brgemm(isa) and (self.check(isa, dtype) or not self.pays(isa, dtype))))
+        have = [isa for isa in _ORDER if isa in self.isas()]
+        fma = next(isa for isa in have if not _brgemm(isa))
+        brgemm = next((isa for isa in have if _brgemm(isa) and not self.check(isa, dtype)), None)
+        return brgemm if brgemm and self.pays(brgemm, dtype) else fma
 
     def pays(self, isa: str, dtype: torch.dtype) -> bool:
         """Whether brgemm path ``isa`` runs ``dtype`` at least ``_MIN_GAIN`` times as fast as the FMA kernel."""
