@@ -107,10 +107,14 @@ class NativeBackend(Backend):
         this CPU has that passes its self-check, if it pays (``speed``); else the first FMA path."""
         if self.isa:
             return self.isa
-        have = [isa for isa in _ORDER if isa in self.isas()]
-        fma = next(isa for isa in have if not _brgemm(isa))
-        brgemm = next((isa for isa in have if _brgemm(isa) and not self.check(isa, dtype)), None)
-        return brgemm if brgemm and self.pays(brgemm, dtype) else fma
+        have = self.isas()
+        brgemm = next((isa for isa in _ORDER if isa in have and _brgemm(isa) and not self.check(isa, dtype)), None)
+        return brgemm if brgemm and self.pays(brgemm, dtype) else self.fma_path()
+
+    def fma_path(self) -> str:
+        """The best FMA-kernel path this CPU has: what brgemm paths are checked and timed against."""
+        have = self.isas()
+        return next(isa for isa in _ORDER if isa in have and not _brgemm(isa))
 
     def pays(self, isa: str, dtype: torch.dtype) -> bool:
         """Whether brgemm path ``isa`` runs ``dtype`` at least ``_MIN_GAIN`` times as fast as the FMA kernel."""
@@ -141,7 +145,7 @@ class NativeBackend(Backend):
         spec = AttentionSpec(torch.device("cpu"), dtype, 16, 4, 128, 128)
         out = torch.empty_like(batch.q)
         lse = torch.empty(batch.q.shape[:2])
-        paths = (isa, next(name for name in self.isas() if not _brgemm(name)))
+        paths = (isa, self.fma_path())
         states = [self._state(plan, spec, name) for name in paths]
         times: list[list[float] | None] = [[], []]
         for round_ in range(4):  # the first round warms up (and builds oneDNN's kernels)
@@ -179,7 +183,7 @@ class NativeBackend(Backend):
                            dtype=dtype, seed=1234)
         plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
         spec = AttentionSpec(torch.device("cpu"), dtype, 8, 2, 64, 64)
-        baseline = next(name for name in self.isas() if not _brgemm(name))
+        baseline = self.fma_path()
         results = []
         for name in (isa, baseline):
             out = torch.full_like(batch.q, float("nan"))
