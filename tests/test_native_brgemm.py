@@ -46,6 +46,9 @@ class Faulty:
     def isas(self):
         return self.real.isas()
 
+    def brgemm_16bit(self):
+        return self.real.brgemm_16bit()
+
     def attention(self, q, k, v, meta, order, pages, page_size, sm_scale, out, lse, isa, *variants):
         if isa.startswith("brgemm-") and self.mode == "raise":
             raise RuntimeError("injected: no micro-kernel for this dtype")
@@ -61,15 +64,31 @@ def test_a_failing_brgemm_path_is_switched_off_with_one_warning(mode):
     fallback = FMA
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert NativeBackend(extension=faulty).path(torch.bfloat16) == fallback
-        assert NativeBackend(extension=faulty).path(torch.bfloat16) == fallback  # checked once per process
+        assert NativeBackend(extension=faulty).path(torch.float32) == fallback
+        assert NativeBackend(extension=faulty).path(torch.float32) == fallback  # checked once per process
     assert len(caught) == len(BRGEMM), [str(w.message) for w in caught]  # one per path, none on the second ask
     why = "injected" if mode == "raise" else "differs from"
     for path, warning in zip(BRGEMM, caught):
-        assert path in str(warning.message) and why in str(warning.message) and "bfloat16" in str(warning.message)
-    spec = AttentionSpec(torch.device("cpu"), torch.bfloat16, 8, 2, 64, 64)
+        assert path in str(warning.message) and why in str(warning.message) and "float32" in str(warning.message)
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, 8, 2, 64, 64)
     assert "self-check" in NativeBackend(isa=BRGEMM[0], extension=faulty).unsupported(spec)
     assert NativeBackend(extension=faulty).unsupported(spec) is None  # the default runs on the fallback
+
+
+@pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
+def test_a_dtype_without_arithmetic_units_tries_no_brgemm_path_and_warns_of_nothing():
+    """A CPU without bf16 / fp16 units (a Zen 3's bf16, a Zen 4's fp16) has no oneDNN kernels for them: that
+    is expected, not a failure, so those dtypes run the FMA kernel without a check, a probe or a warning."""
+    class NoUnits(Faulty):
+        def brgemm_16bit(self):
+            return []
+
+    backend = NativeBackend(extension=NoUnits("raise"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.brgemm_dtypes() == [torch.float32]
+        assert backend.path(torch.bfloat16) == FMA and backend.path(torch.float16) == FMA
+    assert not [key for key in NativeBackend._checks if key[0] is backend.extension]  # never checked
 
 
 def expected_brgemm_dtypes() -> list[torch.dtype]:
@@ -77,11 +96,16 @@ def expected_brgemm_dtypes() -> list[torch.dtype]:
     in VNNI layout from AVX-512, natively with AVX512-BF16 or AMX; fp16 with AVX512-FP16 (B read plain) or
     AMX-FP16 (B in VNNI pairs): the kernel probes which)."""
     dtypes = [torch.float32]
-    if FLAGS & {"avx512_bf16", "amx_bf16"}:
+    if FLAGS & {"avx512_bf16", "amx_bf16", "avx_ne_convert"}:
         dtypes.append(torch.bfloat16)
-    if FLAGS & {"avx512_fp16", "amx_fp16"}:
+    if FLAGS & {"avx512_fp16", "amx_fp16", "avx_ne_convert"}:
         dtypes.append(torch.float16)
     return dtypes
+
+
+@pytest.mark.skipif(not FLAGS, reason="no /proc/cpuinfo to compare with")
+def test_brgemm_dtypes_are_the_cpus_units():
+    assert NativeBackend().brgemm_dtypes() == expected_brgemm_dtypes()
 
 
 @pytest.mark.skipif(not BRGEMM or CAPPED, reason="no brgemm path, or oneDNN's ISA is capped in this process")
