@@ -22,7 +22,7 @@ from tests.test_eagle_heads import eagle3 as random_eagle3
 from tests.test_hf import assert_sampling_keeps_the_target_distribution
 from tests.test_speculative_generate import CHEAP
 from treeattn.cli import demo
-from treeattn.hf import HFTreeModel, speculative_generate
+from treeattn.hf import HFTreeModel, PackedLinear, speculative_generate
 from treeattn.speculative import FINAL, AdaptiveDrafter, CostModel, EagleDrafter, NGramDrafter, TargetFeatures, generate, load_draft_head
 from treeattn.speculative.choice import published_drafter
 from treeattn.speculative.drafters import MedusaHeads, StaticTreeDrafter
@@ -76,12 +76,55 @@ def test_generate_with_published_heads_is_greedy(model, heads, kind):
     prompts = make_prompts(seed=3, count=3)
     plain = generate(model, prompts, max_new_tokens=16)
     for drafter, adaptive in ((EagleDrafter(heads[kind], budget=10), False),
+                              (EagleDrafter(heads[kind], budget=10, dtype=torch.bfloat16), False),
                               (AdaptiveDrafter(EagleDrafter(heads[kind]), cost=CostModel.fixed(*CHEAP)), True)):
         started = time.perf_counter()
         spec = generate(model, prompts, max_new_tokens=16, drafter=drafter, adaptive=adaptive)
         assert 0 < spec.draft_s < spec.decode_s and spec.elapsed_s <= time.perf_counter() - started  # timed right
         assert spec.tokens == plain.tokens, (kind, adaptive)
         assert spec.mean_tree_size > 2  # it drafted trees, not lone roots
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_the_drafter_runs_a_packed_copy_of_the_head(heads, kind, dtype):
+    """Its own copy in ``dtype``, linear layers packed where oneDNN packs them, the target's weights
+    shared; the caller's head is left as it was, and both compute the same states."""
+    head = heads[kind]
+    before = {name: t.clone() for name, t in head.state_dict().items()}
+    drafter = EagleDrafter(head, dtype=dtype)
+    copy, want = drafter.head, dtype or torch.float32
+    assert copy is not head and copy.compute_dtype == want and not copy.training
+    assert copy.embed_tokens is head.embed_tokens  # shared, not copied (nor cast)
+    if kind == "eagle":
+        assert copy.lm_head.weight is head.lm_head.weight
+    assert {p.dtype for name, p in copy.named_parameters() if not name.startswith(("embed_tokens", "lm_head"))} == {want}
+    if dtype is None and torch.backends.mkldnn.is_available():
+        assert isinstance(copy.fc, PackedLinear) and isinstance(copy.layers[0].mlp.down_proj, PackedLinear)
+    assert type(head.fc) is torch.nn.Linear and head.compute_dtype == torch.float32
+    assert all(torch.equal(before[name], t) for name, t in head.state_dict().items())
+
+    numbers = torch.Generator().manual_seed(4)
+    feature = head.config.feature_size if kind == "eagle3" else head.config.hidden_size
+    features, tokens = torch.randn(7, feature, generator=numbers), torch.randint(VOCAB, (7,), generator=numbers)
+    outs = []
+    for h in (head, copy):
+        cache = h.new_cache()
+        cache.add_sequence("a")
+        with torch.inference_mode():
+            context = h(cache, ["a"], features, tokens, [7])
+            drafted = h(cache, ["a"], context.hidden[-2:], tokens[:2], [2], [[-1, 0]])
+            outs.append([context.final.float(), drafted.final.float(), h.logits(drafted.final)])
+    tol = 1e-5 if dtype is None else 5e-2
+    for got, expected in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("faster", [torch.float32, torch.bfloat16])
+def test_fastest_keeps_the_dtype_that_drafts_a_level_faster(heads, monkeypatch, faster):
+    monkeypatch.setattr(EagleDrafter, "_level_seconds", lambda self, head: 1.0 if head.compute_dtype == faster else 2.0)
+    assert EagleDrafter(heads["eagle3"], dtype="fastest").head.compute_dtype == faster
+    assert published_drafter(heads["eagle3"], 8).head.compute_dtype == faster  # what the CLI and the runners build
 
 
 def test_speculative_generate_matches_hf_generate(model, heads):
@@ -220,6 +263,8 @@ def test_drafter_errors_name_the_argument(model, heads):
         EagleDrafter(Eagle3Head(head_config()))
     with pytest.raises(ValueError, match="width must be an int >= 1"):
         EagleDrafter(heads["eagle"], width=0)
+    with pytest.raises(ValueError, match="dtype must be None, 'fastest' or a float dtype, got 'fast'"):
+        EagleDrafter(heads["eagle"], dtype="fast")
     with pytest.raises(ValueError, match=r"feature_layers entries must be 'final' or layer boundaries in \[0, 2\]"):
         generate(model, [[1, 2, 3]], max_new_tokens=2, drafter=type("Deep", (NGramDrafter,), {"target_features": (3,)})())
 

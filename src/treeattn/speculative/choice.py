@@ -56,7 +56,7 @@ def published_drafter(head, budget: int, *, full_trees: bool = False):
     EAGLE-1/2 heads, a static ``medusa_choices`` tree for Medusa heads (which do not score their guesses,
     so they need ``full_trees``)."""
     if isinstance(head, (Eagle3Head, EagleHead)):
-        return EagleDrafter(head, budget=budget)
+        return EagleDrafter(head, budget=budget, dtype="fastest")
     if not isinstance(head, MedusaHeads):
         raise TypeError(f"draft_head must be a head from load_draft_head, got {type(head).__name__}")
     if not full_trees or budget < 2:

@@ -157,11 +157,15 @@ def _inv_freq(dim: int, theta: float, scaling: Mapping | None) -> torch.Tensor:
                      f"{', '.join(_ROPE_TYPES)} (dynamic/yarn/longrope heads are not implemented)")
 
 
-def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [R, heads, d]`` at ``positions [R]``, cos/sin in float32 as HF and vLLM."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None, :]
+def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[R, 1, d]`` for ``positions [R]``, computed in float32 as HF and vLLM, then cast."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [R, heads, d]`` by its rows' ``_rope``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -194,8 +198,9 @@ class _Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: HeadKVCache, step: _Step) -> torch.Tensor:
         rows, d = x.shape[0], self.head_dim
-        q = _rotate(self.q_proj(x).view(rows, self.num_heads, d), step.positions, self.inv_freq)
-        k = _rotate(self.k_proj(x).view(rows, self.num_kv_heads, d), step.positions, self.inv_freq)
+        rope = _rope(step.positions, self.inv_freq, x.dtype)  # once for q and k
+        q = _rotate(self.q_proj(x).view(rows, self.num_heads, d), *rope)
+        k = _rotate(self.k_proj(x).view(rows, self.num_kv_heads, d), *rope)
         v = self.v_proj(x).view(rows, self.num_kv_heads, d)
         return self.o_proj(cache.attend(step, q, k, v).reshape(rows, self.num_heads * d))
 
@@ -248,9 +253,14 @@ class _DraftHead(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([_Layer(cfg, eagle3)])
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the layer computes in: its weights' dtype (the embeddings, the target's, may differ)."""
+        return self.fc.weight.dtype
+
     def new_cache(self, *, backend: str | None = None) -> HeadKVCache:
-        """An empty ``HeadKVCache`` in this head's dtype and device."""
-        w = self.embed_tokens.weight
+        """An empty ``HeadKVCache`` in this head's compute dtype and device."""
+        w = self.fc.weight
         return HeadKVCache(self.config.num_key_value_heads, self.config.dim, dtype=w.dtype, device=w.device,
                            backend=backend)
 
@@ -270,8 +280,9 @@ class _DraftHead(nn.Module):
         if rows and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token_ids must be target ids in [0, {self.config.vocab_size}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
-        w = self.embed_tokens.weight
-        return step, hidden.to(w.dtype), self.embed_tokens(ids.to(device=w.device, dtype=torch.long))
+        dtype = self.compute_dtype
+        embeds = self.embed_tokens(ids.to(device=self.embed_tokens.weight.device, dtype=torch.long))
+        return step, hidden.to(dtype), embeds.to(dtype)
 
 
 class Eagle3Head(_DraftHead):
@@ -364,8 +375,8 @@ class EagleHead(_DraftHead):
         return HeadOutput(out, out)
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """float32 ``[R, vocab_size]`` logits from the target's LM head."""
-        return self.lm_head(final).float()
+        """float32 ``[R, vocab_size]`` logits from the target's LM head (which may be in another dtype)."""
+        return self.lm_head(final.to(self.lm_head.weight.dtype)).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """EAGLE-1 drafts in the target's vocabulary: the identity."""
@@ -485,7 +496,9 @@ class HeadKVCache:
             return q.new_zeros(q.shape)
         tree_indptr, tree_order = pack_trees(trees)
         index = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)
-        out, _ = tree_attention(q, index(q_indptr), torch.cat(keys), torch.cat(values), index(kv_indptr),
+        # One sequence (drafting for one request) attends to its buffer's rows in place.
+        keys, values = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))
+        out, _ = tree_attention(q, index(q_indptr), keys, values, index(kv_indptr),
                                 tree_indptr.to(q.device), tree_order.to(q.device), backend=self.backend)
         return out
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle import Eagle3Head, HeadConfig, _rotate, default_aux_layers
+from .eagle import Eagle3Head, HeadConfig, _rope, _rotate, default_aux_layers
 from .features import FINAL
 from .heads import Progress, TrainState, causal_hidden_states, fit
 
@@ -200,6 +200,7 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, reads: torch.Tensor, s
     h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     positions = torch.arange(n)
     embeds = layer.input_layernorm(head.embed_tokens(reads))
+    rope = _rope(positions.repeat(batch), attn.inv_freq, embeds.dtype)  # every step: the same positions
     hidden = head.fuse(features.to(embeds.dtype))
     keys: list[torch.Tensor] = []  # per earlier step: [B, n, h, d] K and V (KV heads repeated for the query heads)
     values: list[torch.Tensor] = []
@@ -207,8 +208,8 @@ def ttt_forward(head: Eagle3Head, features: torch.Tensor, reads: torch.Tensor, s
     for s in range(steps):
         normed = layer.hidden_norm(hidden)
         x = torch.cat((embeds, normed), dim=-1)
-        q = _rotate(attn.q_proj(x).view(batch * n, h, d), positions.repeat(batch), attn.inv_freq).view(batch, n, h, d)
-        k = _rotate(attn.k_proj(x).view(batch * n, kv, d), positions.repeat(batch), attn.inv_freq).view(batch, n, kv, d)
+        q = _rotate(attn.q_proj(x).view(batch * n, h, d), *rope).view(batch, n, h, d)
+        k = _rotate(attn.k_proj(x).view(batch * n, kv, d), *rope).view(batch, n, kv, d)
         v = attn.v_proj(x).view(batch, n, kv, d)
         keys.append(k.repeat_interleave(h // kv, dim=2))
         values.append(v.repeat_interleave(h // kv, dim=2))
