@@ -7,6 +7,7 @@ per-request state and the target features it is fed, not acceptance rates.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -93,14 +94,16 @@ def test_the_drafter_runs_a_packed_copy_of_the_head(heads, kind, dtype):
     head = heads[kind]
     before = {name: t.clone() for name, t in head.state_dict().items()}
     drafter = EagleDrafter(head, dtype=dtype)
-    copy, want = drafter.head, dtype or torch.float32
-    assert copy is not head and copy.compute_dtype == want and not copy.training
-    assert copy.embed_tokens is head.embed_tokens  # shared, not copied (nor cast)
+    clone, want = drafter.head, dtype or torch.float32
+    assert clone is not head and clone.compute_dtype == want and not clone.training
+    assert clone.embed_tokens is head.embed_tokens  # shared, not copied (nor cast)
+    shared = ("embed_tokens",) + (("lm_head",) if kind == "eagle" else ())
     if kind == "eagle":
-        assert copy.lm_head.weight is head.lm_head.weight
-    assert {p.dtype for name, p in copy.named_parameters() if not name.startswith(("embed_tokens", "lm_head"))} == {want}
+        assert clone.lm_head is head.lm_head and type(head.lm_head) is torch.nn.Linear  # the target's: not packed again
+    assert {p.dtype for name, p in clone.named_parameters() if not name.startswith(shared)} == {want}
+    assert not any(p.requires_grad for name, p in clone.named_parameters() if not name.startswith(shared))
     if dtype is None and torch.backends.mkldnn.is_available():
-        assert isinstance(copy.fc, PackedLinear) and isinstance(copy.layers[0].mlp.down_proj, PackedLinear)
+        assert isinstance(clone.fc, PackedLinear) and isinstance(clone.layers[0].mlp.down_proj, PackedLinear)
     assert type(head.fc) is torch.nn.Linear and head.compute_dtype == torch.float32
     assert all(torch.equal(before[name], t) for name, t in head.state_dict().items())
 
@@ -108,7 +111,7 @@ def test_the_drafter_runs_a_packed_copy_of_the_head(heads, kind, dtype):
     feature = head.config.feature_size if kind == "eagle3" else head.config.hidden_size
     features, tokens = torch.randn(7, feature, generator=numbers), torch.randint(VOCAB, (7,), generator=numbers)
     outs = []
-    for h in (head, copy):
+    for h in (head, clone):
         cache = h.new_cache()
         cache.add_sequence("a")
         with torch.inference_mode():
@@ -120,11 +123,31 @@ def test_the_drafter_runs_a_packed_copy_of_the_head(heads, kind, dtype):
         torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("faster", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("faster", [torch.float32, torch.bfloat16, torch.float16])
 def test_fastest_keeps_the_dtype_that_drafts_a_level_faster(heads, monkeypatch, faster):
-    monkeypatch.setattr(EagleDrafter, "_level_seconds", lambda self, head: 1.0 if head.compute_dtype == faster else 2.0)
-    assert EagleDrafter(heads["eagle3"], dtype="fastest").head.compute_dtype == faster
-    assert published_drafter(heads["eagle3"], 8).head.compute_dtype == faster  # what the CLI and the runners build
+    timed = []
+
+    def seconds(self, copies):
+        timed.append([c.compute_dtype for c in copies])
+        return [1.0 if c.compute_dtype == faster else 2.0 for c in copies]
+
+    monkeypatch.setattr(EagleDrafter, "_level_seconds", seconds)
+    head = heads["eagle3"]
+    if faster == torch.float16:  # a head loaded in float16 weighs its own dtype too
+        head = copy.deepcopy(head).to(torch.float16)
+    assert EagleDrafter(head, dtype="fastest").head.compute_dtype == faster
+    assert published_drafter(head, 8).head.compute_dtype == faster  # what the CLI and the runners build
+    assert set(timed[0]) == {torch.float32, torch.bfloat16, head.compute_dtype}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_fastest_times_real_levels_and_leaves_the_random_stream_alone(heads, kind):
+    state = torch.get_rng_state()
+    drafter = EagleDrafter(heads[kind], dtype="fastest", top_k=500, width=70)  # more than a random vocab / context
+    assert torch.equal(torch.get_rng_state(), state)
+    assert drafter.head.compute_dtype in (torch.float32, torch.bfloat16)
+    times = drafter._level_seconds([drafter.head], repeats=1)
+    assert len(times) == 1 and 0 < times[0] < 10
 
 
 def test_speculative_generate_matches_hf_generate(model, heads):

@@ -80,6 +80,14 @@ def test_a_plain_constructed_layer_packs_lazily_and_hooked_layers_are_left_alone
     assert PackedLinear.of(plain).training is False
 
 
+def test_skipped_modules_and_everything_inside_them_are_left_alone():
+    shared = nn.Sequential(nn.Linear(16, 8), nn.Sequential(nn.Linear(8, 8)))  # e.g. another model's layers
+    model = nn.Sequential(nn.Linear(16, 16), shared, nn.Linear(8, 4))
+    assert pack_linears(model, skip=[shared]) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2], PackedLinear)
+    assert type(shared[0]) is nn.Linear and type(shared[1][0]) is nn.Linear and model[1] is shared
+
+
 def test_a_trainable_bias_gets_its_gradient():
     linear = nn.Linear(16, 8)
     linear.weight.requires_grad_(False)  # BitFit: only biases train

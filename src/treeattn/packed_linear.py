@@ -19,6 +19,7 @@ so training is untouched.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -90,15 +91,22 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, *, skip: Iterable[nn.Module] = ()) -> int:
     """Swap ``model``'s plain ``nn.Linear`` layers (without hooks) for ``PackedLinear`` where oneDNN can
     pack and run their weight (CPU; float32 everywhere, bfloat16 on AVX-512 machines) and repack the
-    ``PackedLinear`` layers already there; returns how many were swapped."""
+    ``PackedLinear`` layers already there; returns how many were swapped. ``skip``: modules left as
+    they are, with everything inside them (e.g. another model's layers that ``model`` shares, whose
+    packed copy would cost their memory again)."""
     if not _onednn_ops():
         return 0
+    skipped = {id(inner) for module in skip for inner in module.modules()}
     swapped = 0
     for parent in list(model.modules()):
+        if id(parent) in skipped:
+            continue
         for name, child in list(parent.named_children()):
+            if id(child) in skipped:
+                continue
             if isinstance(child, PackedLinear):
                 with contextlib.suppress(RuntimeError):  # unpackable now: its forward runs F.linear
                     child.repack()

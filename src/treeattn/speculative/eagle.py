@@ -280,9 +280,9 @@ class _DraftHead(nn.Module):
         if rows and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise ValueError(f"token_ids must be target ids in [0, {self.config.vocab_size}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
-        dtype = self.compute_dtype
+        w = self.fc.weight
         embeds = self.embed_tokens(ids.to(device=self.embed_tokens.weight.device, dtype=torch.long))
-        return step, hidden.to(dtype), embeds.to(dtype)
+        return step, hidden.to(w.dtype), embeds.to(device=w.device, dtype=w.dtype)
 
 
 class Eagle3Head(_DraftHead):

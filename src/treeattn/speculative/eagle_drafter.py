@@ -55,13 +55,13 @@ class EagleDrafter:
     ``aux_layers`` (EAGLE-3) or ``(FINAL,)`` (EAGLE-1/2). Implements ``Drafter`` and ``ScoringDrafter``.
 
     The drafter runs its own copy of the head's layer (``head`` stays as it was; the target's
-    embeddings and EAGLE-1's LM head are shared, not copied) with oneDNN-packed linear layers on the
-    CPU: a drafting level runs a few rows, where unpacked ``F.linear`` repacks the weights on every
+    embeddings and EAGLE-1's LM head are shared, neither copied nor packed) with oneDNN-packed linear
+    layers on the CPU: a drafting level runs a few rows, where unpacked ``F.linear`` repacks the weights on every
     call (the linear layers of SmolLM2's EAGLE-3 head, 8 rows, one Zen 4 thread: 1.28 ms in bfloat16
     unpacked, 0.88 packed, 1.65 in float32 packed). ``dtype``: what the copy computes in: None for the
-    head's own, ``"fastest"`` the faster of float32 and bfloat16 timed here on one drafting level
-    (bfloat16 on CPUs with bfloat16 units; without them oneDNN cannot pack bfloat16, and float32 ran
-    2x as fast with oneDNN capped to AVX2), or a dtype. The dtype changes a few draft trees, never
+    head's own, ``"fastest"`` the fastest of that, float32 and bfloat16, timed here on one drafting
+    level (bfloat16 on CPUs with bfloat16 units; without them oneDNN cannot pack bfloat16, and float32
+    ran 2x as fast with oneDNN capped to AVX2), or a dtype. The dtype changes a few draft trees, never
     the output: verification decides.
     """
 
@@ -87,35 +87,39 @@ class EagleDrafter:
         self.budget, self.top_k, self.width, self.depth, self.min_score = budget, top_k, width, depth, float(min_score)
         self.backend = backend
         own = head.compute_dtype
-        self.head = _drafting_copy(head, own if dtype in (None, "fastest") else dtype)
         if dtype == "fastest" and head.fc.weight.device.type == "cpu":
-            other = _drafting_copy(head, torch.bfloat16 if own != torch.bfloat16 else torch.float32)
-            if self._level_seconds(other) < self._level_seconds(self.head):
-                self.head = other
+            copies = [_drafting_copy(head, d) for d in dict.fromkeys((own, torch.float32, torch.bfloat16))]
+            seconds = self._level_seconds(copies)
+            self.head = copies[seconds.index(min(seconds))]
+        else:
+            self.head = _drafting_copy(head, own if dtype in (None, "fastest") else dtype)
         self.cache = self.head.new_cache(backend=backend)
         self._requests: dict[Hashable, _Request] = {}
 
     @torch.inference_mode()
-    def _level_seconds(self, head: Eagle3Head | EagleHead, repeats: int = 5) -> float:
-        """The best of ``repeats`` timings (after a warm-up) of one drafting level of ``width`` rows
-        after 64 context rows, scored and ranked as ``_draft`` does."""
+    def _level_seconds(self, heads: list[Eagle3Head | EagleHead], repeats: int = 5) -> list[float]:
+        """Per head, the best of ``repeats`` timings (after a warm-up; the heads interleaved) of one
+        drafting level of ``width`` rows after 64 context rows, scored and ranked as ``_draft`` does."""
         numbers = torch.Generator().manual_seed(0)  # the caller's random stream is left alone
-        device, cfg = head.fc.weight.device, head.config
-        feature = cfg.feature_size if isinstance(head, Eagle3Head) else cfg.hidden_size
-        cache = head.new_cache(backend=self.backend)
-        cache.add_sequence(0)
-        features = torch.randn(64, feature, generator=numbers).to(device)
+        cfg = heads[0].config
+        feature = cfg.feature_size if isinstance(heads[0], Eagle3Head) else cfg.hidden_size
+        features = torch.randn(64, feature, generator=numbers)
         tokens = torch.randint(cfg.vocab_size, (64,), generator=numbers)
-        head(cache, [0], features, tokens, [64])
-        hidden = torch.randn(self.width, cfg.hidden_size, generator=numbers).to(device)
+        hidden = torch.randn(self.width, cfg.hidden_size, generator=numbers)
         picks = torch.randint(cfg.vocab_size, (self.width,), generator=numbers)
-        best = math.inf
+        k = min(self.top_k, cfg.vocab_size_draft)
+        caches = [head.new_cache(backend=self.backend) for head in heads]
+        for head, cache in zip(heads, caches):
+            cache.add_sequence(0)
+            head(cache, [0], features.to(head.fc.weight.device), tokens, [64])
+        best = [math.inf] * len(heads)
         for _ in range(repeats + 1):
-            head(cache, [0], features[:0], tokens[:0], [0])  # an empty context append drops the last level's tree
-            start = time.perf_counter()
-            out = head(cache, [0], hidden, picks, [self.width], [[-1] * self.width])
-            torch.topk(torch.softmax(head.logits(out.final), dim=-1), self.top_k, dim=-1)
-            best = min(best, time.perf_counter() - start)
+            for i, (head, cache) in enumerate(zip(heads, caches)):
+                head(cache, [0], features[:0], tokens[:0], [0])  # an empty context append drops the last level's tree
+                start = time.perf_counter()
+                out = head(cache, [0], hidden.to(head.fc.weight.device), picks, [self.width], [[-1] * self.width])
+                torch.topk(torch.softmax(head.logits(out.final), dim=-1), k, dim=-1)
+                best[i] = min(best[i], time.perf_counter() - start)
         return best
 
     def __repr__(self) -> str:
@@ -221,6 +225,6 @@ def _drafting_copy(head: Eagle3Head | EagleHead, dtype: torch.dtype) -> Eagle3He
     clone = copy.deepcopy(head, {id(module): module for module in shared})
     for child in clone.children():
         if not any(child is module for module in shared):
-            child.to(dtype)
-    pack_linears(clone)
+            child.to(dtype).requires_grad_(False)
+    pack_linears(clone, skip=shared)  # a packed copy of EAGLE-1's LM head would be the vocabulary's size again
     return clone.eval()

@@ -11,12 +11,12 @@ Kernel paths (``isas()``: the ones this CPU has), picked per dtype at run time:
 - ``brgemm-avx512`` / ``brgemm-avx2``: each tile's two GEMMs (S = Q K^T for all rows of a KV head, O += P V)
   on oneDNN's brgemm micro-kernels as PyTorch exports them (AMX, AVX512-BF16, AVX512-FP16, AVX-512 or
   AVX2, JIT-compiled for the running CPU), P rounded to the dtype, the online softmax and masks on AVX-512
-  or AVX2 vectors (``csrc/kernel_brgemm.hpp``). oneDNN has 16-bit kernels only on some CPUs (bf16: AMX,
-  AVX512-BF16; fp16: AMX-FP16, AVX512-FP16, which reads B plain where the others read VNNI pairs: probed
-  once per process, ``brgemm_b_pairs``), so a 16-bit dtype tries them only where the CPU has its units
-  (``brgemm_dtypes``), and each (path, dtype) checks itself once per process on first use against the
-  FMA kernel on a small problem, and is switched off, with one warning saying why, when it throws or
-  disagrees;
+  or AVX2 vectors (``csrc/kernel_brgemm.hpp``). PyTorch's brgemm has 16-bit kernels only on some CPUs
+  (bf16 from AVX-512, natively with AVX512-BF16 or AMX; fp16 from AVX512-FP16, which reads B plain where
+  the others read VNNI pairs: probed once per process, ``brgemm_b_pairs``), so a 16-bit dtype tries them
+  only there (``brgemm_dtypes``), and each (path, dtype) checks itself once per process on first use
+  against the FMA kernel on a small problem, and is switched off, with one warning saying why, when it
+  throws or disagrees;
 - ``avx512`` / ``avx2`` / ``generic``: the FMA kernel (``csrc/kernel.hpp``) on 16 or 8 fp32 lanes, or
   portable C++; every dtype is widened to fp32.
 The default takes, per dtype, the first of ``_ORDER``'s paths this CPU has, a brgemm path only where it
@@ -104,14 +104,14 @@ class NativeBackend(Backend):
         return list(self.extension.module().isas())
 
     def brgemm_dtypes(self) -> list[torch.dtype]:
-        """The dtypes this CPU has the arithmetic for that oneDNN's brgemm kernels use: float32, and the
-        16-bit dtypes of its AVX512-BF16 / AMX-BF16, AVX512-FP16 / AMX-FP16 (or AVX-NE-CONVERT) units."""
+        """The dtypes PyTorch's brgemm accepts on this CPU: float32 (from AVX2), bfloat16 from AVX-512
+        (natively with AVX512-BF16 or AMX, emulated below) and float16 from AVX512-FP16."""
         return [torch.float32] + [getattr(torch, name) for name in self.extension.module().brgemm_16bit()]
 
     def path(self, dtype: torch.dtype) -> str:
         """The kernel path that runs ``dtype``: the forced one; else the first brgemm path of ``_ORDER``
         this CPU has that passes its self-check, if it pays (``speed``); else the first FMA path. A dtype
-        without arithmetic units here (``brgemm_dtypes``) tries no brgemm path, and warns of nothing."""
+        PyTorch's brgemm does not take here (``brgemm_dtypes``) tries no brgemm path, and warns of nothing."""
         if self.isa:
             return self.isa
         have = self.isas() if dtype in self.brgemm_dtypes() else []

@@ -72,21 +72,19 @@ const std::vector<std::string>& isas() {
   return out;
 }
 
-// The 16-bit dtypes this CPU has arithmetic for that oneDNN's brgemm uses (torch 2.13's CPUBlas: bf16 on
-// AVX512-BF16 or AMX-BF16, fp16 on AVX512-FP16 or AMX-FP16; CPUs with AVX-NE-CONVERT run both on oneDNN's
-// avx2_vnni_2 kernels). Elsewhere oneDNN has no kernel for the dtype, so its brgemm paths are not tried:
-// an absent feature is not a failure to warn about. Asked once (cpuid, as isas()).
+// The 16-bit dtypes PyTorch's brgemm (torch 2.13's CPUBlas) accepts on this CPU: bf16 from AVX-512
+// (natively with AVX512-BF16 or AMX, emulated below), fp16 from AVX512-FP16 (AMX-FP16 CPUs have it too).
+// Elsewhere it has no kernel for the dtype and throws, so its brgemm paths are not tried: an absent
+// feature is not a failure to warn about. Asked once (cpuid, as isas()).
 const std::vector<std::string>& brgemm_16bit() {
   static const std::vector<std::string> out = [] {
     std::vector<std::string> names;
 #if defined(__x86_64__)
-    unsigned max_sub, b, c, d, a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-    if (!__get_cpuid_count(7, 0, &max_sub, &b, &c, &d)) return names;
-    if (max_sub >= 1) __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
-    const bool avx512 = has_avx512(), ne_convert = has_avx2() && (d1 & (1u << 5));
-    const bool amx = d & (1u << 24);  // AMX-TILE
-    if ((avx512 && (a1 & (1u << 5))) || (amx && (d & (1u << 22))) || ne_convert) names.push_back("bfloat16");
-    if ((avx512 && (d & (1u << 23))) || (amx && (a1 & (1u << 21))) || ne_convert) names.push_back("float16");
+    unsigned a, b, c, d;
+    if (has_avx512()) {
+      names.push_back("bfloat16");
+      if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 23))) names.push_back("float16");  // AVX512-FP16
+    }
 #endif
     return names;
   }();
@@ -487,7 +485,7 @@ double peak(const std::string& kind, int64_t iters, int64_t threads) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first for 16-bit dtypes");
-  m.def("brgemm_16bit", &treeattn_native::brgemm_16bit, "16-bit dtypes this CPU has oneDNN brgemm arithmetic for");
+  m.def("brgemm_16bit", &treeattn_native::brgemm_16bit, "16-bit dtypes PyTorch's brgemm accepts on this CPU");
   // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
   m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
         py::call_guard<py::gil_scoped_release>());
