@@ -56,13 +56,13 @@ class EagleDrafter:
 
     The drafter runs its own copy of the head's layer (``head`` stays as it was; the target's
     embeddings and EAGLE-1's LM head are shared, neither copied nor packed) with oneDNN-packed linear
-    layers on the CPU: a drafting level runs a few rows, where unpacked ``F.linear`` repacks the weights on every
-    call (the linear layers of SmolLM2's EAGLE-3 head, 8 rows, one Zen 4 thread: 1.28 ms in bfloat16
-    unpacked, 0.88 packed, 1.65 in float32 packed). ``dtype``: what the copy computes in: None for the
-    head's own, ``"fastest"`` the fastest of that, float32 and bfloat16, timed here on one drafting
-    level (bfloat16 on CPUs with bfloat16 units; without them oneDNN cannot pack bfloat16, and float32
-    ran 2x as fast with oneDNN capped to AVX2), or a dtype. The dtype changes a few draft trees, never
-    the output: verification decides.
+    layers on the CPU: a drafting level runs a few rows, where unpacked ``F.linear`` repacks the
+    weights on every call (the linear layers of SmolLM2's EAGLE-3 head, 8 rows, one Zen 4 thread:
+    1.28 ms in bfloat16 unpacked, 0.88 packed, 1.65 in float32 packed). ``dtype``: what the copy
+    computes in: None for the head's own, ``"fastest"`` the fastest of that, float32 and bfloat16,
+    timed here on one drafting level (on a Zen 4: bfloat16, 1.6 ms a level against 2.3; with oneDNN
+    capped to AVX2 the linear layers ran 2x as fast in float32, while whole levels tied), or a dtype.
+    The dtype changes a few draft trees, never the output: verification decides.
     """
 
     def __init__(self, head: Eagle3Head | EagleHead, *, budget: int = 32, top_k: int = 4, width: int = 4,
