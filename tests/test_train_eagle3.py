@@ -75,6 +75,28 @@ def test_training_lowers_the_held_out_loss(tiny):
     torch.testing.assert_close(head.embed_tokens.weight, tiny.vocab_weights()[0])
 
 
+def test_bf16_autocast_trains_as_float32_does(tiny):
+    """bfloat16 GEMMs (float32 weights, optimizer and loss) reach float32's held-out loss and accuracy from the
+    same start; a caller's own autocast context (whose weight-cast cache would freeze the first step's
+    weights) and other dtypes are refused."""
+    (prompts, outputs), (held_prompts, held_outputs) = periodic(range(8)), periodic(range(8, 11))
+    train, held = eagle3_examples(tiny, prompts, outputs, AUX), eagle3_examples(tiny, held_prompts, held_outputs, AUX)
+    results = {}
+    for autocast in (None, torch.bfloat16):
+        head = new_eagle3_head(tiny, shortlist(outputs, VOCAB, 16), AUX)
+        before = eagle3_loss(head, held, steps=STEPS)
+        train_eagle3(head, train, steps=STEPS, epochs=10, batch_size=4, lr=3e-3, autocast=autocast)
+        results[autocast] = eagle3_loss(head, held, steps=STEPS), eagle3_accuracy(head, held, steps=STEPS)
+        assert all(p.dtype == torch.float32 for p in head.parameters())
+    (loss32, acc32), (loss16, acc16) = results[None], results[torch.bfloat16]
+    assert loss16 < 0.6 * before and abs(loss16 - loss32) < 0.2 * loss32, (before, loss32, loss16)
+    assert acc16[0] > 0.8 and acc16[1] > 0.8, (acc32, acc16)
+    with pytest.raises(ValueError, match="pass autocast=torch.bfloat16 instead"), torch.autocast("cpu", dtype=torch.bfloat16):
+        train_eagle3(head, train, steps=STEPS, epochs=1)
+    with pytest.raises(ValueError, match=r"autocast must be None \(float32\) or torch.bfloat16, got torch.float16"):
+        train_eagle3(head, train, steps=STEPS, epochs=1, autocast=torch.float16)
+
+
 def test_the_teacher_is_the_targets_distribution_at_the_state_that_chose_each_token(tiny, answers, data):
     """With the target's LM head as teacher, each trained row's distribution is the target's at the state
     that chose its target token: on greedy answers its argmax is that token. Training against it lowers the
@@ -203,14 +225,16 @@ def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch
     assert not (tmp_path / "e3.ckpt").exists()  # removed once training ended
     assert "draft step" in capsys.readouterr().out
     # --samples 3: two sampled answers more per training prompt (3 of the 4 prompts; the 4th is held out)
-    args = build_parser().parse_args([*argv, "--aux-layers", "2,0,1", "--samples", "3", "--out", str(tmp_path / "s3")])
+    args = build_parser().parse_args([*argv, "--aux-layers", "2,0,1", "--samples", "3", "--out", str(tmp_path / "s3"),
+                                      "--bf16"])
     assert args.run(args) == 0
     meta = json.loads((tmp_path / "s3" / "config.json").read_text())["treeattn"]
-    assert meta["prompts"] == 4 and meta["held_out"] == 1 and meta["samples"] == 3
+    assert meta["prompts"] == 4 and meta["held_out"] == 1 and meta["samples"] == 3 and meta["bf16"] is True
     assert "trained on 9 answers" in capsys.readouterr().out
     for bad_args, flag in ((argv[1:], "--aux-layers"),  # a 2-layer target: EAGLE-3's defaults do not fit
                            ([*argv[1:], "--aux-layers", "0,1,3"], "--aux-layers"),
                            (["--aux-layers", "0,1,2"], "--aux-layers"),  # without --arch eagle3
+                           (["--bf16"], "--bf16"),
                            ([*argv[1:], "--aux-layers", "0,1,2", "--depth", "0"], "--depth"),
                            ([*argv[1:], "--aux-layers", "0,1,2", "--samples", "0"], "--samples"),
                            ([*argv[1:], "--aux-layers", "0,1,2", "--samples", "2", "--temperature", "0"], "--temperature")):

@@ -67,7 +67,7 @@ def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: 
     state, on_epoch = resume(head)
     task = bar.add_task("training", total=None, info="")
     eagle_train.train_eagle3(head, data, steps=args.depth, epochs=args.epochs, lr=args.lr, state=state,
-                             on_epoch=on_epoch, teacher=teacher,
+                             on_epoch=on_epoch, teacher=teacher, autocast=torch.bfloat16 if args.bf16 else None,
                              progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
     top1 = eagle_train.eagle3_accuracy(head, held, steps=args.depth)
     loss = eagle_train.eagle3_loss(head, held, steps=args.depth, teacher=teacher)
@@ -75,7 +75,7 @@ def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: 
     eagle_train.save_eagle3(head, args.out, target_layers=model.config.num_hidden_layers, model=model_name,
                             prompts=len(train[0]) // args.samples + held_out, held_out=held_out, samples=args.samples,
                             max_tokens=args.max_tokens, epochs=args.epochs, lr=args.lr, top1=top1, held_out_loss=loss,
-                            minutes=round(minutes, 1))
+                            bf16=args.bf16, minutes=round(minutes, 1))
     table = Table(title=f"held-out accuracy ({held_out} prompts, loss {loss:.3f})", box=box.SIMPLE_HEAD)
     for col in ("draft step", "guesses", "top-1"):
         table.add_column(col, justify="right")

@@ -78,6 +78,9 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="checkpoint file (default: OUT with suffix .ckpt); removed when training ends")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the demo)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="--arch eagle3: train with bfloat16 autocast (weights, optimizer and loss stay float32): "
+                             "1.6x as fast on a Zen 4 with AVX512-BF16; slower on CPUs without bfloat16 units")
 
 
 def _progress(console: Console) -> Progress:
@@ -98,9 +101,10 @@ def main_train_heads(args: argparse.Namespace) -> int:
     if args.vocab < 2 or args.max_tokens < 2:
         err.print("[red]--vocab and --max-tokens must be >= 2 (a draft guesses the token after the next)[/red]")
         return 2
-    if args.aux_layers is not None and args.arch != "eagle3":
-        err.print("[red]--aux-layers is for --arch eagle3 only[/red]")
-        return 2
+    for flag, given in (("--aux-layers", args.aux_layers is not None), ("--bf16", args.bf16)):
+        if given and args.arch != "eagle3":
+            err.print(f"[red]{flag} is for --arch eagle3 only[/red]")
+            return 2
     if not args.prompts.is_file():
         err.print(f"[red]--prompts: no such file {args.prompts}[/red]")
         return 2

@@ -250,16 +250,21 @@ def _teacher_rows(head: Eagle3Head, teacher: torch.Tensor | None, data: Eagle3Da
 
 
 def _batch_loss(head: Eagle3Head, data: Eagle3Data, index: Sequence[int], vocab_index: torch.Tensor,
-                steps: int, teacher: torch.Tensor | None) -> torch.Tensor:
+                steps: int, teacher: torch.Tensor | None, autocast: torch.dtype | None = None) -> torch.Tensor:
     feats, reads, targets, _, chose = data.batch(index, vocab_index, steps)
+    # The head's GEMMs in ``autocast`` (entered per batch: autocast caches each weight's cast until its
+    # context ends, so one context around the whole training would keep the first step's weights); the
+    # teacher and the loss in float32.
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        finals = ttt_forward(head, feats, reads, steps)
+        logits_per_step = [head.logits(final[targets[s] >= 0]) for s, final in enumerate(finals)]
     total = torch.zeros(())
-    for s, final in enumerate(ttt_forward(head, feats, reads, steps)):
+    for s, logits in enumerate(logits_per_step):
         ok = targets[s] >= 0
         if not ok.any():
             continue
-        logits = head.logits(final[ok])
         if teacher is None:
-            loss = F.cross_entropy(logits, targets[s][ok])
+            loss = F.cross_entropy(logits.float(), targets[s][ok])
         else:  # the target's distribution over the draft vocabulary, from the state that chose the token
             wanted = torch.softmax(chose[ok].float() @ teacher.T, dim=-1)
             loss = -(wanted * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
@@ -270,10 +275,14 @@ def _batch_loss(head: Eagle3Head, data: Eagle3Data, index: Sequence[int], vocab_
 def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: int = 4, batch_size: int = 8,
                  lr: float = 1e-3, seed: int = 0, state: TrainState | None = None, progress: Progress | None = None,
                  on_epoch: Callable[[TrainState], None] | None = None,
-                 teacher: torch.Tensor | None = None) -> TrainState:
+                 teacher: torch.Tensor | None = None, autocast: torch.dtype | None = None) -> TrainState:
     """Fit ``head`` to ``data`` with the training-time test over ``steps`` draft steps (AdamW, cosine
     decay; embeddings frozen), ``batch_size`` sequences per update. ``teacher``: the target's LM head
     ``[vocab, hidden]``, to fit the target's distributions (needs ``data.final``); ``None``: its tokens.
+    ``autocast=torch.bfloat16``: the head's forward and backward GEMMs in bfloat16 (``torch.autocast``,
+    one context per batch), weights, optimizer and loss in float32: on a 2-core Zen 4 (AVX512-BF16) 1.6x
+    as fast, with the same held-out loss on a small set (21.31 against 21.32); don't wrap the call in an
+    autocast context of your own (its weight-cast cache would keep the first step's weights).
 
     Resumes from ``state`` (epochs done are skipped; shuffles are seeded per epoch, so a resumed run
     sees the same batches and ends bit-identical); ``on_epoch(state)`` after each epoch (to checkpoint).
@@ -283,10 +292,15 @@ def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: 
     for name, value in (("steps", steps), ("epochs", epochs), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if autocast not in (None, torch.bfloat16):
+        raise ValueError(f"autocast must be None (float32) or torch.bfloat16, got {autocast!r}")
+    if torch.is_autocast_enabled("cpu"):
+        raise ValueError("train_eagle3 runs under an autocast context: its weight-cast cache would keep the first "
+                         "step's weights; pass autocast=torch.bfloat16 instead")
     vocab_index, rows = _vocab_index(head), _teacher_rows(head, teacher, data)
     head.train()
     state = fit([p for p in head.parameters() if p.requires_grad], len(data),
-                lambda index: _batch_loss(head, data, index.tolist(), vocab_index, steps, rows), epochs=epochs,
+                lambda index: _batch_loss(head, data, index.tolist(), vocab_index, steps, rows, autocast), epochs=epochs,
                 batch=batch_size, lr=lr, seed=seed, state=state, progress=progress, on_epoch=on_epoch)
     head.eval()
     return state
