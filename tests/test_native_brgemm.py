@@ -76,14 +76,14 @@ def test_a_failing_brgemm_path_is_switched_off_with_one_warning(mode):
 
 
 @pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
-def test_a_dtype_without_arithmetic_units_tries_no_brgemm_path_and_warns_of_nothing():
+def test_a_dtype_torchs_brgemm_lacks_tries_no_brgemm_path_and_warns_of_nothing():
     """PyTorch's brgemm has no kernels for bf16 below AVX-512 (a Zen 3) nor fp16 without AVX512-FP16 (a Zen 4):
     that is expected, not a failure, so those dtypes run the FMA kernel without a check, a probe or a warning."""
-    class NoUnits(Faulty):
+    class No16Bit(Faulty):
         def brgemm_16bit(self):
             return []
 
-    backend = NativeBackend(extension=NoUnits("raise"))
+    backend = NativeBackend(extension=No16Bit("raise"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert backend.brgemm_dtypes() == [torch.float32]

@@ -98,8 +98,9 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def _level_seconds(self, heads: list[Eagle3Head | EagleHead], repeats: int = 5) -> list[float]:
-        """Per head, the best of ``repeats`` timings (after a warm-up; the heads interleaved) of one
-        drafting level of ``width`` rows after 64 context rows, scored and ranked as ``_draft`` does."""
+        """Per head (on the CPU: ``"fastest"`` times there only), the best of ``repeats`` timings (after a
+        warm-up; the heads interleaved) of one drafting level of ``width`` rows after 64 context rows,
+        scored and ranked as ``_draft`` does."""
         numbers = torch.Generator().manual_seed(0)  # the caller's random stream is left alone
         cfg = heads[0].config
         feature = cfg.feature_size if isinstance(heads[0], Eagle3Head) else cfg.hidden_size
@@ -111,13 +112,13 @@ class EagleDrafter:
         caches = [head.new_cache(backend=self.backend) for head in heads]
         for head, cache in zip(heads, caches):
             cache.add_sequence(0)
-            head(cache, [0], features.to(head.fc.weight.device), tokens, [64])
+            head(cache, [0], features, tokens, [64])
         best = [math.inf] * len(heads)
         for _ in range(repeats + 1):
             for i, (head, cache) in enumerate(zip(heads, caches)):
                 head(cache, [0], features[:0], tokens[:0], [0])  # an empty context append drops the last level's tree
                 start = time.perf_counter()
-                out = head(cache, [0], hidden.to(head.fc.weight.device), picks, [self.width], [[-1] * self.width])
+                out = head(cache, [0], hidden, picks, [self.width], [[-1] * self.width])
                 torch.topk(torch.softmax(head.logits(out.final), dim=-1), k, dim=-1)
                 best[i] = min(best[i], time.perf_counter() - start)
         return best
