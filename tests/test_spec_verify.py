@@ -11,7 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treeattn.speculative import DraftTree, SamplingParams, VerifyResult, target_probs, verify, verify_greedy, verify_sampling
+from treeattn.speculative.verify import (
+    DraftTree,
+    SamplingParams,
+    VerifyResult,
+    sample_rows,
+    target_probs,
+    verify,
+    verify_greedy,
+    verify_sampling,
+)
 
 
 def chi2_sf(stat: float, dof: int) -> float:
@@ -488,3 +497,31 @@ def test_verify_checks_its_arguments():
         DraftTree([1.0, 2.0], [-1, 0])
     with pytest.raises(TypeError, match=r"tokens\[1\] must be an int, got a bool"):
         DraftTree([1, True], [-1, 0])
+
+
+def test_sample_rows_follows_each_row_and_never_draws_zero_mass():
+    """sample_rows (the bonus-token draw) against each row's law: unnormalised rows, zeros inside and
+    at the end of a row, a row of one token."""
+    rows = torch.tensor([[0.5, 0.0, 1.5, 2.0, 0.0, 0.0],
+                         [1e-3, 3.0, 0.0, 0.2, 0.7, 0.0],
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 4.0]])
+    n = 20000
+    drawn = sample_rows(rows.repeat(n, 1), torch.Generator().manual_seed(11)).view(n, 3)
+    for r in range(3):
+        counts = np.bincount(drawn[:, r].numpy(), minlength=6)
+        assert counts[(rows[r] == 0).numpy()].sum() == 0
+        law = (rows[r] / rows[r].sum()).double().numpy()
+        keep = law > 0
+        if keep.sum() > 1:
+            stat, dof = chi2_stat(counts[keep], law[keep])
+            assert chi2_sf(stat, dof) > 1e-3
+        else:
+            assert (counts[keep] == n).all()
+
+
+def test_sample_rows_uniform_at_the_top_of_its_range(monkeypatch):
+    """A uniform whose product with the row's mass rounds up to the mass itself still lands on the last
+    token with mass, not past it on a zero-probability one."""
+    rows = torch.tensor([[0.1, 0.7, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=torch.float64))
+    assert sample_rows(rows).tolist() == [1, 0]
