@@ -316,3 +316,45 @@ def test_train_heads_command_writes_a_head(tiny, tmp_path, monkeypatch, capsys):
         bad = build_parser().parse_args(argv[:1] + bad_args)
         assert bad.run(bad) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_train_heads_keeps_the_answers_written_across_samples(tiny, tmp_path, monkeypatch):
+    """The answers stage resumes from its checkpoint: another --samples writes only the rounds it lacks
+    and keeps the ones written (the same answers); another --temperature samples again."""
+    from treeattn.cli import build_parser
+    from treeattn.cli import train_heads as cli
+
+    monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
+    written = []
+    real = cli.self_distill
+
+    def counting(model, prompts, *, done=(), **kwargs):
+        written.append(len(prompts) - len(done))
+        return real(model, prompts, done=done, **kwargs)
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # the answers are checkpointed; stop before the hidden states
+
+    monkeypatch.setattr(cli, "self_distill", counting)
+    monkeypatch.setattr(cli, "head_examples", stop)
+    (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
+    ckpt = tmp_path / "run.ckpt"
+    argv = ["train-heads", "--prompts", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "h.pt"),
+            "--checkpoint", str(ckpt), "--max-tokens", "6", "--batch", "2", "--threads", "1", "--vocab", "20"]
+
+    def run(*extra: str) -> list[int]:
+        written.clear()
+        args = build_parser().parse_args([*argv, *extra])
+        with pytest.raises(KeyboardInterrupt):
+            args.run(args)
+        return list(written)
+
+    assert run("--samples", "3") == [4, 6]  # 4 greedy answers; 3 training prompts x 2 sampled rounds
+    first = torch.load(ckpt, weights_only=True)["sampled"]
+    assert len(first) == 6
+    assert run("--samples", "2") == [0, 0]
+    assert run() == [0]  # --samples 1 reads no sampled answers and drops none
+    assert run("--samples", "4") == [0, 3]  # one round more
+    kept = torch.load(ckpt, weights_only=True)["sampled"]
+    assert kept[:6] == first and len(kept) == 9
+    assert run("--samples", "2", "--temperature", "0.5") == [0, 3]

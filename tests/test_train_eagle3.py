@@ -76,16 +76,21 @@ def test_training_lowers_the_held_out_loss(tiny):
 
 
 def test_bf16_autocast_trains_as_float32_does(tiny):
-    """bfloat16 GEMMs (float32 weights, optimizer and loss) reach float32's held-out loss and accuracy from the
-    same start; a caller's own autocast context (whose weight-cast cache would freeze the first step's
-    weights) and other dtypes are refused."""
+    """bfloat16 GEMMs (float32 weights, optimizer and loss) on features kept in bfloat16 (as train-heads
+    --bf16 keeps them) reach float32's held-out loss and accuracy from the same start; a caller's own
+    autocast context (whose weight-cast cache would freeze the first step's weights) and other dtypes
+    are refused."""
     (prompts, outputs), (held_prompts, held_outputs) = periodic(range(8)), periodic(range(8, 11))
     train, held = eagle3_examples(tiny, prompts, outputs, AUX), eagle3_examples(tiny, held_prompts, held_outputs, AUX)
+    train16 = eagle3_examples(tiny, prompts, outputs, AUX, dtype=torch.bfloat16)
+    for kept, full in ((train16.features, train.features), (train16.final, train.final)):
+        assert all(k.dtype == torch.bfloat16 and k.is_contiguous() and torch.equal(k, f.bfloat16())
+                   for k, f in zip(kept, full, strict=True))
     results = {}
-    for autocast in (None, torch.bfloat16):
+    for autocast, data in ((None, train), (torch.bfloat16, train16)):
         head = new_eagle3_head(tiny, shortlist(outputs, VOCAB, 16), AUX)
         before = eagle3_loss(head, held, steps=STEPS)
-        train_eagle3(head, train, steps=STEPS, epochs=10, batch_size=4, lr=3e-3, autocast=autocast)
+        train_eagle3(head, data, steps=STEPS, epochs=10, batch_size=4, lr=3e-3, autocast=autocast)
         results[autocast] = eagle3_loss(head, held, steps=STEPS), eagle3_accuracy(head, held, steps=STEPS)
         assert all(p.dtype == torch.float32 for p in head.parameters())
     (loss32, acc32), (loss16, acc16) = results[None], results[torch.bfloat16]

@@ -54,9 +54,11 @@ def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: 
     console, err = bar.console, Console(stderr=True)
     held_out = len(held[0])
     task = bar.add_task("target features", total=len(train[0]), info="")
+    kept = torch.bfloat16 if args.bf16 else torch.float32  # --bf16 GEMMs round the features to bfloat16 anyway
     try:
-        data = eagle_train.eagle3_examples(model, *train, aux, progress=lambda d, t, info: bar.update(task, completed=d))
-        held = eagle_train.eagle3_examples(model, *held, aux)
+        data = eagle_train.eagle3_examples(model, *train, aux, dtype=kept,
+                                           progress=lambda d, t, info: bar.update(task, completed=d))
+        held = eagle_train.eagle3_examples(model, *held, aux, dtype=kept)
     except ValueError as exc:  # e.g. every answer ended at once (EOS)
         err.print(f"[red]treeattn train-heads: the answers cannot train a head: {exc}[/red]")
         return 2

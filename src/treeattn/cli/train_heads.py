@@ -2,9 +2,10 @@
 transformers' LlamaForCausalLM with treeattn's attention, ``treeattn.models.load_smollm2``).
 
 Three stages, each checkpointed so that an interrupted run resumes where it stopped (rerun the same
-command): the model writes greedy answers to the shipped prompts (``speculative/data/prompts.txt``)
-and, with ``--samples N``, ``N - 1`` sampled answers more to each training prompt; its hidden states
-along those answers become the training data, then the head is trained (one checkpoint per epoch).
+command; a rerun with another ``--samples`` keeps the answers already written): the model writes
+greedy answers to the shipped prompts (``speculative/data/prompts.txt``) and, with ``--samples N``,
+``N - 1`` sampled answers more to each training prompt; its hidden states along those answers become
+the training data, then the head is trained (one checkpoint per epoch).
 The last tenth of the prompts is held out (their greedy answers) to report the accuracy of each
 draft step. ``--arch eagle3`` trains an EAGLE-3 head instead (``train_eagle3``), written as an EAGLE-3
 checkpoint folder.
@@ -131,9 +132,11 @@ def main_train_heads(args: argparse.Namespace) -> int:
     # The answers depend on the prompts and their length only: they survive a change of training settings.
     data_config = {"prompts_sha256": hashlib.sha256("\n".join(texts).encode()).hexdigest(),
                    "max_tokens": args.max_tokens}
-    # Sampled answers depend on these too: other values sample again, and the greedy answers stay.
-    sample_config = {"samples": args.samples, "temperature": args.temperature} if args.samples > 1 else {}
-    train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr, **sample_config}
+    # Sampled answers depend on the temperature too: another one samples again (the greedy answers stay).
+    # Round r of them answers every training prompt once, so another --samples keeps those written.
+    sample_config = {"temperature": args.temperature}
+    train_config = {"depth": args.depth, "vocab": args.vocab, "epochs": args.epochs, "lr": args.lr,
+                    **({"samples": args.samples, "temperature": args.temperature} if args.samples > 1 else {})}
     if args.arch == "eagle3":  # another head: the answers are reused, the training is not
         train_config.update(arch="eagle3", aux_layers=list(aux), loss="target distributions")
     ckpt_path = args.checkpoint or args.out.with_suffix(".ckpt")
@@ -143,8 +146,8 @@ def main_train_heads(args: argparse.Namespace) -> int:
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         if saved.get("data_config") == data_config:
             ckpt["outputs"] = saved["outputs"]
-            if saved.get("sample_config") == sample_config:
-                ckpt["sampled"] = saved.get("sampled", [])
+            if saved.get("sample_config") == sample_config or args.samples == 1:  # --samples 1 keeps any
+                ckpt["sample_config"], ckpt["sampled"] = saved.get("sample_config"), saved.get("sampled", [])
             if saved.get("train_config") == train_config:
                 ckpt["heads"], ckpt["train"] = saved["heads"], saved["train"]
             console.print(f"resuming from {ckpt_path}: {len(ckpt['outputs'])}/{len(prompts)} answers, "
@@ -179,14 +182,15 @@ def main_train_heads(args: argparse.Namespace) -> int:
 
         def answers(stage: str, key: str, asked: list, sampling: SamplingParams | None = None) -> list:
             """The model's answers to ``asked``, checkpointed under ``ckpt[key]`` after each batch."""
-            task = bar.add_task(stage, total=len(asked), completed=len(ckpt[key]), info="")
+            task = bar.add_task(stage, total=len(asked), completed=min(len(ckpt[key]), len(asked)), info="")
 
             def on_batch(done):
                 ckpt[key] = done
                 save()
 
+            # done: the answers written so far (a run with more --samples may have written more than asked)
             return self_distill(model, asked, max_new_tokens=args.max_tokens, batch_size=args.batch,
-                                stop_tokens=[tokenizer.eos_token_id], done=ckpt[key], on_batch=on_batch,
+                                stop_tokens=[tokenizer.eos_token_id], done=ckpt[key][:len(asked)], on_batch=on_batch,
                                 sampling=sampling, progress=lambda d, t, info: bar.update(task, completed=d, info=info))
 
         outputs = answers("model answers", "outputs", prompts)
