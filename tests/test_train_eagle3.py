@@ -250,3 +250,48 @@ def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv[:1] + bad_args)
         assert bad_args[-2] in capsys.readouterr().err
+
+
+def test_train_heads_eagle3_resumes_without_recomputing_the_features(tiny, tmp_path, monkeypatch):
+    """The target's features are kept beside the checkpoint: a run stopped in training resumes from them
+    (mapped, not recomputed) and writes the head an uninterrupted run writes; features kept in another
+    dtype are computed again; a finished run removes the file with the checkpoint."""
+    from treeattn.cli import build_parser
+    from treeattn.cli import train_eagle3 as stage
+    from treeattn.cli import train_heads as cli
+
+    monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
+    computed = []
+    real_examples, real_train = stage.eagle_train.eagle3_examples, stage.eagle_train.train_eagle3
+
+    def counting(model, prompts, *args, **kwargs):
+        computed.append(len(prompts))
+        return real_examples(model, prompts, *args, **kwargs)
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage.eagle_train, "eagle3_examples", counting)
+    (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
+    argv = ["train-heads", "--arch", "eagle3", "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "6",
+            "--epochs", "2", "--batch", "2", "--threads", "1", "--depth", "2", "--vocab", "20", "--aux-layers", "0,1,2"]
+
+    def run(out: str, *extra: str, interrupt: bool = False) -> list[int]:
+        computed.clear()
+        monkeypatch.setattr(stage.eagle_train, "train_eagle3", stop if interrupt else real_train)
+        args = build_parser().parse_args([*argv, "--out", str(tmp_path / out), *extra])
+        if interrupt:
+            with pytest.raises(KeyboardInterrupt):
+                args.run(args)
+        else:
+            assert args.run(args) == 0
+        return list(computed)
+
+    assert run("fresh", "--bf16") == [3, 1]  # 3 training prompts, 1 held out
+    assert run("e3", "--bf16", interrupt=True) == [3, 1] and (tmp_path / "e3.features.pt").is_file()
+    assert run("e3", "--bf16") == []
+    assert not (tmp_path / "e3.features.pt").exists() and not (tmp_path / "e3.ckpt").exists()
+    assert (tmp_path / "e3" / "model.safetensors").read_bytes() == (tmp_path / "fresh" / "model.safetensors").read_bytes()
+    assert run("other", "--bf16", interrupt=True) == [3, 1]
+    assert run("other", "--bf16", "--aux-layers", "2,1,0", interrupt=True) == []  # the same boundaries
+    assert run("other", interrupt=True) == [3, 1]  # float32 features

@@ -77,7 +77,8 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     parser.add_argument("--batch", type=int, default=16, help="prompts generated together (default 16)")
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="checkpoint file (default: OUT with suffix .ckpt); removed when training ends")
+                        help="checkpoint file (default: OUT with suffix .ckpt); --arch eagle3 keeps the target's "
+                             "features beside it (suffix .features.pt); both removed when training ends")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the demo)")
     parser.add_argument("--bf16", action="store_true",
                         help="--arch eagle3: train with bfloat16 autocast (weights, optimizer and loss stay float32): "
@@ -202,9 +203,11 @@ def main_train_heads(args: argparse.Namespace) -> int:
             sampled = answers("sampled answers", "sampled", again, SamplingParams(args.temperature))
             train = (train[0] + again, train[1] + sampled)
         if args.arch == "eagle3":
-            code = run_eagle3(args, model, train, held, aux, resume, bar, started, MODEL_NAME)
+            features = ckpt_path.with_suffix(".features.pt")
+            code = run_eagle3(args, model, train, held, aux, resume, bar, started, MODEL_NAME, features)
             if code == 0:
                 ckpt_path.unlink(missing_ok=True)
+                features.unlink(missing_ok=True)
             return code
         task = bar.add_task("hidden states", total=len(train[0]), info="")
         try:
