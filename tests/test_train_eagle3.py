@@ -106,7 +106,7 @@ def test_the_teacher_is_the_targets_distribution_at_the_state_that_chose_each_to
     """With the target's LM head as teacher, each trained row's distribution is the target's at the state
     that chose its target token: on greedy answers its argmax is that token. Training against it lowers the
     held-out loss."""
-    from treeattn.speculative.eagle_train import _teacher_rows, _vocab_index
+    from treeattn.speculative.eagle_train import STEP_WEIGHT, Eagle3Data, _batch_loss, _teacher_rows, _vocab_index
 
     train, held = data
     head = fresh_head(tiny, answers)
@@ -118,6 +118,15 @@ def test_the_teacher_is_the_targets_distribution_at_the_state_that_chose_each_to
         assert ok.sum() > 20 and torch.equal((chose[ok] @ rows.T).argmax(-1), targets[s][ok]), s
         # the full vocabulary's argmax too: these are the target's own greedy tokens
         assert torch.equal(vocab_index[(chose[ok] @ lm_head.T).argmax(-1)], targets[s][ok]), s
+    # the loss: each step's rows fit the teacher's distribution at their own target (computed once per
+    # batch); random states, since a tiny model's greedy answers repeat themselves
+    noisy = Eagle3Data(train.tokens, train.features, train.first, [torch.randn_like(f) for f in train.final])
+    chose = noisy.batch(list(range(len(train))), vocab_index, STEPS)[4]
+    finals = ttt_forward(head, feats, reads, STEPS)
+    expected = sum(STEP_WEIGHT ** s * -(torch.softmax(chose[targets[s] >= 0] @ rows.T, -1)
+                                         * torch.log_softmax(head.logits(final[targets[s] >= 0]), -1)).sum(-1).mean()
+                   for s, final in enumerate(finals))
+    torch.testing.assert_close(_batch_loss(head, noisy, list(range(len(train))), vocab_index, STEPS, rows), expected)
     before = eagle3_loss(head, held, steps=STEPS, teacher=lm_head)
     train_eagle3(head, train, steps=STEPS, epochs=3, batch_size=4, lr=3e-3, teacher=lm_head)
     assert eagle3_loss(head, held, steps=STEPS, teacher=lm_head) < before

@@ -263,15 +263,17 @@ def _batch_loss(head: Eagle3Head, data: Eagle3Data, index: Sequence[int], vocab_
         finals = ttt_forward(head, feats, reads, steps)
         logits_per_step = [head.logits(final[targets[s] >= 0]) for s, final in enumerate(finals)]
     total = torch.zeros(())
+    first = targets[0] >= 0  # every step's rows are among step 1's: row q guesses token q + 2 at every step
+    if teacher is not None:  # the target's distribution over the draft vocabulary, from the state that chose the token
+        wanted = torch.softmax(chose[first].float() @ teacher.T, dim=-1)
     for s, logits in enumerate(logits_per_step):
         ok = targets[s] >= 0
         if not ok.any():
             continue
         if teacher is None:
             loss = F.cross_entropy(logits.float(), targets[s][ok])
-        else:  # the target's distribution over the draft vocabulary, from the state that chose the token
-            wanted = torch.softmax(chose[ok].float() @ teacher.T, dim=-1)
-            loss = -(wanted * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        else:
+            loss = -(wanted[ok[first]] * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
         total = total + STEP_WEIGHT ** s * loss
     return total
 
