@@ -7,6 +7,8 @@ greedy tree speculative decoding through the "treeattn" attention must give the 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -176,6 +178,28 @@ def test_model_stays_on_its_attention_and_cache_is_an_hf_cache():
     loaded.load_state_dict(model.state_dict())
     assert loaded.config._attn_implementation == "treeattn"
     assert torch.equal(speculative_generate(loaded, ids, max_new_tokens=8), _hf_greedy(model, ids, None, 8))
+
+
+def test_a_finished_generation_frees_its_cache_at_once(monkeypatch):
+    """No reference cycle keeps a TreeCache (and its pages: GBs for a batch) alive after generation:
+    it is freed by reference counting, with Python's cyclic collector off."""
+    model = _model("llama")
+    made = []
+    real = TreeCache.__init__
+
+    def tracked(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(TreeCache, "__init__", tracked)
+    ids, _ = _prompts([6, 4])
+    gc.collect()
+    gc.disable()
+    try:
+        speculative_generate(model, ids, max_new_tokens=4, drafter=NGramDrafter(4))
+        assert made and all(ref() is None for ref in made)
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2"])

@@ -39,11 +39,13 @@ _ACTIVE: contextvars.ContextVar[TreeCache | None] = contextvars.ContextVar("tree
 
 
 class _TreeLayer(CacheLayerMixin):
-    """HF's per-layer view of a ``TreeCache``: the storage is the shared ``PagedKVCache``."""
+    """HF's per-layer view of a ``TreeCache``: the storage is the shared ``PagedKVCache``. It holds that,
+    not the ``TreeCache``, whose layers hold it: a cycle would keep a finished generation's whole KV
+    cache (GBs for a batch) alive until Python's cyclic collector happened to run."""
 
-    def __init__(self, cache: TreeCache, is_sliding: bool):
+    def __init__(self, paged: PagedKVCache, is_sliding: bool):
         super().__init__()
-        self.cache, self.is_sliding = cache, is_sliding
+        self.paged, self.is_sliding = paged, is_sliding
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -54,8 +56,7 @@ class _TreeLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        paged = self.cache.paged
-        return max((paged.seq_len(s) for s in paged.seq_ids), default=0)
+        return max((self.paged.seq_len(s) for s in self.paged.seq_ids), default=0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0  # asked by HF's mask builder, whose "treeattn" mask is None anyway
@@ -83,7 +84,7 @@ class TreeCache(Cache):
         self.paged = PagedKVCache(config.num_hidden_layers, num_kv_heads, head_dim, num_pages=num_pages,
                                   page_size=page_size, dtype=dtype, device=device, backend=backend,
                                   num_q_heads=num_q_heads)
-        super().__init__(layers=[_TreeLayer(self, t == "sliding_attention") for t in types])
+        super().__init__(layers=[_TreeLayer(self.paged, t == "sliding_attention") for t in types])
 
     def add_sequence(self, seq_id) -> None:
         self.paged.add_sequence(seq_id)
