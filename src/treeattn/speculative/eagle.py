@@ -50,7 +50,7 @@ from torch import nn
 
 from ..checks import int_vector
 from ..ops import tree_attention
-from ..tree import order_and_depth, pack_trees
+from ..tree import encode_trees
 
 __all__ = ["Eagle3Head", "EagleHead", "HeadConfig", "HeadKVCache", "HeadOutput", "default_aux_layers"]
 
@@ -391,7 +391,6 @@ class _Seq:
     v: torch.Tensor
     length: int = 0  # committed context rows
     parents: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the current draft tree
-    depth: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass(frozen=True)
@@ -401,7 +400,7 @@ class _Step:
     seqs: list
     lengths: np.ndarray
     trees: list | None  # per sequence, the whole draft tree after the append (None: context rows)
-    depths: list | None
+    encoded: tuple[np.ndarray, np.ndarray] | None  # the trees' (tree_indptr, tree_order), from encode_trees
     positions: torch.Tensor
 
 
@@ -452,7 +451,7 @@ class HeadKVCache:
             return _Step(seqs, lengths, None, None, _positions(positions, self.device))
         if len(tree_parents) != len(seqs):
             raise ValueError(f"tree_parents must hold one parent array per sequence ({len(seqs)}), got {len(tree_parents)}")
-        trees, depths, positions = [], [], []
+        trees = []
         for b, (s, n, new) in enumerate(zip(seqs, lengths, tree_parents)):
             new = int_vector(new, f"tree_parents[{b}]")
             if new.shape[0] != n:
@@ -463,25 +462,24 @@ class HeadKVCache:
                 i = int(bad[0])
                 raise ValueError(f"tree_parents[{b}][{i}] = {int(new[i])}: a parent must be -1 or an earlier node of the "
                                  f"draft tree, index < {old + i} ({old} nodes drafted before this append)")
-            tree = np.concatenate([s.parents, new])
-            depth = order_and_depth(tree)[1]
-            trees.append(tree)
-            depths.append(depth)
-            positions.append(s.length + depth[s.parents.shape[0]:])
-        return _Step(seqs, lengths, trees, depths, _positions(positions, self.device))
+            trees.append(np.concatenate([s.parents, new]))
+        indptr, order, depth = encode_trees(trees, "tree_parents")  # one pass for the batch, reused by attend
+        positions = [s.length + depth[indptr[b] + s.parents.shape[0]:indptr[b + 1]] for b, s in enumerate(seqs)]
+        return _Step(seqs, lengths, trees, (indptr, order), _positions(positions, self.device))
 
     def attend(self, step: _Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store the step's rows' K/V (RoPE applied) and attend: ``q [R, h_q, d]`` -> ``[R, h_q, d]``."""
-        keys, values, trees, q_indptr, kv_indptr = [], [], [], [0], [0]
+        keys, values, orders, q_indptr, kv_indptr = [], [], [], [0], [0]
         start = 0
         for b, (s, n) in enumerate(zip(step.seqs, step.lengths.tolist())):
             if step.trees is None:  # context rows: drop the draft tree, append causally (a chain) and commit
-                s.parents, s.depth = s.parents[:0], s.depth[:0]
-                at, tree = s.length, np.arange(-1, n - 1)
+                s.parents = s.parents[:0]
+                at, order = s.length, np.stack((np.arange(n), np.full(n, n)), axis=1)  # a chain's (enter, exit)
                 s.length += n
             else:
-                at, tree = s.length + s.parents.shape[0], step.trees[b]
-                s.parents, s.depth = tree, step.depths[b]
+                at, s.parents = s.length + s.parents.shape[0], step.trees[b]
+                indptr, encoded = step.encoded
+                order = encoded[indptr[b]:indptr[b + 1]]
             _reserve(s, at + n)
             s.k[at:at + n], s.v[at:at + n] = k[start:start + n], v[start:start + n]
             start += n
@@ -489,17 +487,17 @@ class HeadKVCache:
                 total = at + n
                 keys.append(s.k[:total])
                 values.append(s.v[:total])
-                trees.append(tree)
+                orders.append(order)
                 q_indptr.append(q_indptr[-1] + n)
                 kv_indptr.append(kv_indptr[-1] + total)
-        if not trees:
+        if not orders:
             return q.new_zeros(q.shape)
-        tree_indptr, tree_order = pack_trees(trees)
-        index = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)
-        # One sequence (drafting for one request) attends to its buffer's rows in place.
+        tree_indptr = np.cumsum([0] + [len(o) for o in orders])
+        # One sequence (drafting for one request) attends to its buffer's rows in place. The index arrays go in
+        # as host arrays: the plan checks them there and uploads each once.
         keys, values = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))
-        out, _ = tree_attention(q, index(q_indptr), keys, values, index(kv_indptr),
-                                tree_indptr.to(q.device), tree_order.to(q.device), backend=self.backend)
+        out, _ = tree_attention(q, np.array(q_indptr), keys, values, np.array(kv_indptr), tree_indptr,
+                                np.concatenate(orders), backend=self.backend)
         return out
 
 
