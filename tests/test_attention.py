@@ -123,6 +123,29 @@ def test_long_prefix(backend, paged, dtype, threads):
     assert [len(s) for s in segments] == [3, 2, 1]  # the multi-piece path really ran
 
 
+@settings(max_examples=25, deadline=None)
+@given(trees=st.lists(parent_arrays(max_size=24), min_size=1, max_size=4), prefix=st.integers(0, 40),
+       seed=st.integers(0, 2**16))
+def test_an_unchecked_plan_is_the_checked_one(trees, prefix, seed):
+    """TreeAttentionPlan._ragged_unchecked (what a draft head's cache plans its own appends with) holds
+    what ragged derives from the same arrays, and attends alike."""
+    rng = np.random.default_rng(seed)
+    requests = [Request(t, prefix=prefix, qo=int(rng.integers(1, len(t) + 1))) for t in trees]
+    batch = make_batch(requests, h_q=4, h_kv=2, d=32, seed=seed)
+    host = [x.numpy().astype(np.int64) for x in (batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)]
+    checked = treeattn.TreeAttentionPlan.ragged(*host)
+    unchecked = treeattn.TreeAttentionPlan._ragged_unchecked(*host, torch.device("cpu"))
+    for name in ("q_indptr", "kv_indptr", "tree_indptr", "tree_order"):
+        assert torch.equal(getattr(checked, name), getattr(unchecked, name)) and getattr(unchecked, name).dtype == torch.int32
+    for name in ("q_starts", "qo_lens", "kv_lens", "tree_starts", "tree_sizes", "kv_starts"):
+        assert np.array_equal(getattr(checked, name), getattr(unchecked, name)), name
+    q, _, k, v, *_ = batch.ragged_args()
+    expected = treeattn.tree_attention(*batch.ragged_args(), plan=checked)
+    got = treeattn.tree_attention(q, None, k, v, None, None, None, plan=unchecked)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim", [16, 64, 128, 256])

@@ -195,6 +195,20 @@ class TreeAttentionPlan:
         return plan
 
     @classmethod
+    def _ragged_unchecked(cls, q_indptr: np.ndarray, kv_indptr: np.ndarray, tree_indptr: np.ndarray,
+                          tree_order: np.ndarray, device: torch.device) -> TreeAttentionPlan:
+        """``ragged`` for host int64 arrays that a treeattn module built itself and vouches for, with no
+        checks (a draft head's cache plans every drafting level, where ``ragged``'s checks took as long
+        as the attention): pass it to ``tree_attention`` with ``None`` for the arrays."""
+        up = lambda host: torch.from_numpy(host.astype(np.int32)).to(device)
+        plan = cls("ragged", device, up(q_indptr), up(tree_indptr), up(tree_order), q_indptr[:-1], np.diff(q_indptr),
+                   np.diff(kv_indptr), tree_indptr[:-1], np.diff(tree_indptr), kv_indptr=up(kv_indptr),
+                   kv_starts=kv_indptr[:-1])
+        plan._record(dict.fromkeys(("q_indptr", "kv_indptr", "tree_indptr", "tree_order")), q_indptr=q_indptr,
+                     kv_indptr=kv_indptr, tree_indptr=tree_indptr, tree_order=tree_order)
+        return plan
+
+    @classmethod
     def paged(cls, q_indptr, page_indptr, page_indices, last_page_len, tree_indptr, tree_order, *,
               page_size: int, num_pages: int, total_q: int | None = None,
               device: torch.device | None = None) -> TreeAttentionPlan:

@@ -50,6 +50,7 @@ from torch import nn
 
 from ..checks import int_vector
 from ..ops import tree_attention
+from ..plan import TreeAttentionPlan
 from ..tree import encode_trees
 
 __all__ = ["Eagle3Head", "EagleHead", "HeadConfig", "HeadKVCache", "HeadOutput", "default_aux_layers"]
@@ -492,12 +493,13 @@ class HeadKVCache:
                 kv_indptr.append(kv_indptr[-1] + total)
         if not orders:
             return q.new_zeros(q.shape)
-        tree_indptr = np.cumsum([0] + [len(o) for o in orders])
-        # One sequence (drafting for one request) attends to its buffer's rows in place. The index arrays go in
-        # as host arrays: the plan checks them there and uploads each once.
+        # The cache built these arrays from appends it checked: planned without tree_attention's checks.
+        plan = TreeAttentionPlan._ragged_unchecked(np.array(q_indptr), np.array(kv_indptr),
+                                                   np.cumsum([0] + [len(o) for o in orders]), np.concatenate(orders),
+                                                   q.device)
+        # One sequence (drafting for one request) attends to its buffer's rows in place.
         keys, values = (keys[0], values[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(values))
-        out, _ = tree_attention(q, np.array(q_indptr), keys, values, np.array(kv_indptr), tree_indptr,
-                                np.concatenate(orders), backend=self.backend)
+        out, _ = tree_attention(q, None, keys, values, None, None, None, backend=self.backend, plan=plan)
         return out
 
 
