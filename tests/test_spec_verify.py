@@ -523,5 +523,7 @@ def test_sample_rows_uniform_at_the_top_of_its_range(monkeypatch):
     """A uniform whose product with the row's mass rounds up to the mass itself still lands on the last
     token with mass, not past it on a zero-probability one."""
     rows = torch.tensor([[0.1, 0.7, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    before = rows.clone()
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=torch.float64))
     assert sample_rows(rows).tolist() == [1, 0]
+    assert torch.equal(rows, before)  # float64 rows are read, not summed in place

@@ -327,7 +327,7 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -
     (68 ms for 64 rows of SmolLM2's 49152: a fifth of a batched decoding step); this draws one
     uniform per row (1.7 ms). The sums are float64, so a token's share is its probability to ~1e-16;
     a zero-probability token spans an empty interval and is never drawn."""
-    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # a new tensor: the caller's probs stay as they are
     total = cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
     # u < total, except that rounding can make u == total: keep it strictly below the last boundary.
