@@ -15,7 +15,7 @@ import treeattn
 from tests.cache_model import ModelCache
 from tests.helpers import binary, chain, forest, star
 from treeattn import OutOfPagesError, PagedKVCache, TokenTree
-from treeattn.kvcache.step import CHAIN_CHUNK
+from treeattn.tree import CHAIN_CHUNK
 
 BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("treeattn.backends.cpu") else [])
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from treeattn.speculative import MedusaHeads
 from treeattn.speculative.checkpoints import DraftTarget, load_draft_head
 from treeattn.speculative.eagle import Eagle3Head, EagleHead, HeadConfig, default_aux_layers
+from treeattn.tree import CHAIN_CHUNK, MAX_TREE_SIZE
 
 torch.set_num_threads(1)
 
@@ -233,6 +234,40 @@ def test_batch_equals_sequences_one_by_one():
         torch.testing.assert_close(ctx.hidden[ctx_rows].double(), ref_hidden[:n], **TOL)
         torch.testing.assert_close(tree.hidden[tree_rows].double(), ref_hidden[n:], **TOL)
     assert cache.seq_len("idle") == 0
+
+
+def test_a_long_context_append_matches_reference():
+    """A context append longer than CHAIN_CHUNK (a long prompt's first append) attends as several chains, each
+    seeing every row before it; past MAX_TREE_SIZE rows too (one chain that long was refused)."""
+    head = eagle3(seed=14)
+    n = 2 * CHAIN_CHUNK + 37
+    feats, toks, th, tt = inputs(head, n, len(TREE), seed=15)
+    hidden, _, cache = run(head, feats, toks, th, tt, TREE, ctx_chunks=[3, n - 3], tree_chunks=[len(TREE)])
+    ref_hidden, _ = ref_eagle3(head, feats.double(), toks, th.double(), tt, TREE)
+    torch.testing.assert_close(hidden.double(), ref_hidden, **TOL)
+    assert cache.seq_len("s") == n
+    n = MAX_TREE_SIZE + 1
+    feats, toks, th, tt = inputs(head, n, 1, seed=16)
+    hidden, _, cache = run(head, feats, toks, th, tt, [-1], ctx_chunks=[n], tree_chunks=[1])
+    assert cache.seq_len("s") == n and hidden.isfinite().all()
+
+
+def test_a_batched_tree_append_where_one_sequence_adds_nothing():
+    head = eagle3(seed=16)
+    a, b = inputs(head, 5, 6, seed=17), inputs(head, 4, 2, seed=18)
+    pa, pb = [-1, 0, -1, 1, 3, 2], [-1, 0]
+    cache = head.new_cache()
+    for s in ("a", "b"):
+        cache.add_sequence(s)
+    head(cache, ["a", "b"], torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), [5, 4])
+    first = head(cache, ["a", "b"], torch.cat([a[2][:3], b[2]]), torch.cat([a[3][:3], b[3]]), [3, 2],
+                 tree_parents=[pa[:3], pb])
+    more = head(cache, ["b", "a"], a[2][3:], a[3][3:], [0, 3], tree_parents=[[], pa[3:]])
+    ref_a, _ = ref_eagle3(head, a[0].double(), a[1], a[2].double(), a[3], pa)
+    ref_b, _ = ref_eagle3(head, b[0].double(), b[1], b[2].double(), b[3], pb)
+    torch.testing.assert_close(torch.cat([first.hidden[:3], more.hidden]).double(), ref_a[5:], **TOL)
+    torch.testing.assert_close(first.hidden[3:].double(), ref_b[4:], **TOL)
+    assert cache.tree_parents("a").tolist() == pa and cache.tree_parents("b").tolist() == pb
 
 
 @settings(max_examples=20, deadline=None)

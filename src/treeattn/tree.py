@@ -27,6 +27,9 @@ import torch
 from .checks import as_index, int_vector
 
 MAX_TREE_SIZE = 4096  # generous; TVM's runtime caps an accumulated tree at 256 nodes
+# A causal append longer than this is attended as several chains, each seeing the keys before it:
+# every kernel tree stays small (a tree's ancestor mask is quadratic in its size).
+CHAIN_CHUNK = 512
 
 ParentsLike = Union[Sequence[int], np.ndarray, torch.Tensor, "TokenTree"]
 
@@ -139,6 +142,12 @@ def tree_order(parents: ParentsLike) -> torch.Tensor:
 def tree_depths(parents: ParentsLike) -> torch.Tensor:
     """Depth of every node (roots are 0) as an ``int32 [n]`` tensor."""
     return torch.from_numpy(order_and_depth(parents)[1].astype(np.int32))
+
+
+def chain_order(n: int) -> np.ndarray:
+    """Host ``int64`` ``tree_order [n, 2]`` of a chain (a causal append): node ``i`` enters at ``i`` and
+    its subtree runs to the end."""
+    return np.stack([np.arange(n), np.full(n, n)], axis=1)
 
 
 def pack_trees(trees: Sequence[ParentsLike]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,8 @@ import torch
 
 from ..layout import SlotIndex, slots
 from ..plan import TreeAttentionPlan
+from ..tree import CHAIN_CHUNK, chain_order
 from .pages import num_pages_for
-
-CHAIN_CHUNK = 512
 
 
 @dataclass
@@ -53,11 +52,6 @@ class StepPlan:
     paged: TreeAttentionPlan | None  # append first: everything; merge: the cached prefix (None when empty)
     ragged: TreeAttentionPlan | None  # merge only: the new tokens with their trees
     new_slots: SlotIndex  # where the new tokens' K/V are stored, on the cache's device
-
-
-def chain_order(n: int) -> np.ndarray:
-    """``tree_order`` of a chain: node ``i`` enters at ``i`` and its subtree runs to the end."""
-    return np.stack([np.arange(n), np.full(n, n)], axis=1)
 
 
 def _indptr(lengths) -> np.ndarray:

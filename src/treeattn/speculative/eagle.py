@@ -51,7 +51,7 @@ from torch import nn
 from ..checks import int_vector
 from ..ops import tree_attention
 from ..plan import TreeAttentionPlan
-from ..tree import encode_trees
+from ..tree import CHAIN_CHUNK, chain_order, encode_trees
 
 __all__ = ["Eagle3Head", "EagleHead", "HeadConfig", "HeadKVCache", "HeadOutput", "default_aux_layers"]
 
@@ -473,23 +473,26 @@ class HeadKVCache:
         keys, values, orders, q_indptr, kv_indptr = [], [], [], [0], [0]
         start = 0
         for b, (s, n) in enumerate(zip(step.seqs, step.lengths.tolist())):
-            if step.trees is None:  # context rows: drop the draft tree, append causally (a chain) and commit
+            if step.trees is None:  # context rows: drop the draft tree, append causally and commit
                 s.parents = s.parents[:0]
-                at, order = s.length, np.stack((np.arange(n), np.full(n, n)), axis=1)  # a chain's (enter, exit)
+                at = s.length
                 s.length += n
+                # a chain per CHAIN_CHUNK rows, each seeing every row before it (a long prompt's first append)
+                requests = [(lo, chain_order(min(n, lo + CHAIN_CHUNK) - lo)) for lo in range(0, n, CHAIN_CHUNK)]
             else:
                 at, s.parents = s.length + s.parents.shape[0], step.trees[b]
                 indptr, encoded = step.encoded
-                order = encoded[indptr[b]:indptr[b + 1]]
+                requests = [(0, encoded[indptr[b]:indptr[b + 1]])] if n else []
             _reserve(s, at + n)
             s.k[at:at + n], s.v[at:at + n] = k[start:start + n], v[start:start + n]
             start += n
-            if n:
-                total = at + n
+            for lo, order in requests:
+                rows = min(n - lo, order.shape[0])  # a tree's query rows are its last n nodes
+                total = at + lo + rows
                 keys.append(s.k[:total])
                 values.append(s.v[:total])
                 orders.append(order)
-                q_indptr.append(q_indptr[-1] + n)
+                q_indptr.append(q_indptr[-1] + rows)
                 kv_indptr.append(kv_indptr[-1] + total)
         if not orders:
             return q.new_zeros(q.shape)

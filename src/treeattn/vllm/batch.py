@@ -29,10 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..kvcache.step import CHAIN_CHUNK
 from ..layout import PagedKV
 from ..plan import TreeAttentionPlan
-from ..tree import encode_trees
+from ..tree import CHAIN_CHUNK, encode_trees
 
 __all__ = ["move_tokens", "split_kv_cache", "step_plan"]
 
