@@ -309,7 +309,8 @@ def test_train_heads_command_writes_a_head(tiny, tmp_path, monkeypatch, capsys):
     heads, meta = load_heads(tmp_path / "h.pt")
     assert heads.depth == 2 and heads.vocab.numel() == 20 and len(meta["top1"]) == 2 and meta["prompts"] == 4
     assert all(0 <= a <= b <= 1 for a, b in zip(meta["top1"], meta["top4"]))
-    assert not (tmp_path / "h.ckpt").exists()  # removed once training ended
+    kept = torch.load(tmp_path / "h.ckpt", weights_only=True)  # training done: only the answers stay
+    assert kept["heads"] is None and kept["train"] is None and len(kept["outputs"]) == 4
     assert "draft step" in capsys.readouterr().out
     for bad_args, flag in ((["--prompts", str(tmp_path / "missing.txt")], "--prompts"), (["--vocab", "1"], "--vocab"),
                            (["--depth", "0"], "--depth"), (["--max-tokens", "1"], "--max-tokens")):
@@ -319,8 +320,9 @@ def test_train_heads_command_writes_a_head(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_train_heads_keeps_the_answers_written_across_samples(tiny, tmp_path, monkeypatch):
-    """The answers stage resumes from its checkpoint: another --samples writes only the rounds it lacks
-    and keeps the ones written (the same answers); another --temperature samples again."""
+    """The answers stage resumes from its checkpoint, also after a finished run: another --samples writes
+    only the rounds it lacks and keeps the ones written (the same answers); another --temperature samples
+    again."""
     from treeattn.cli import build_parser
     from treeattn.cli import train_heads as cli
 
@@ -335,6 +337,7 @@ def test_train_heads_keeps_the_answers_written_across_samples(tiny, tmp_path, mo
     def stop(*args, **kwargs):
         raise KeyboardInterrupt  # the answers are checkpointed; stop before the hidden states
 
+    real_examples = cli.head_examples
     monkeypatch.setattr(cli, "self_distill", counting)
     monkeypatch.setattr(cli, "head_examples", stop)
     (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
@@ -358,3 +361,9 @@ def test_train_heads_keeps_the_answers_written_across_samples(tiny, tmp_path, mo
     kept = torch.load(ckpt, weights_only=True)["sampled"]
     assert kept[:6] == first and len(kept) == 9
     assert run("--samples", "2", "--temperature", "0.5") == [0, 3]
+    monkeypatch.setattr(cli, "head_examples", real_examples)  # a run to the end keeps the answers for the next
+    written.clear()
+    args = build_parser().parse_args([*argv, "--samples", "2", "--temperature", "0.5", "--epochs", "1"])
+    assert args.run(args) == 0 and written == [0, 0]
+    monkeypatch.setattr(cli, "head_examples", stop)
+    assert run("--samples", "3", "--temperature", "0.5") == [0, 3]

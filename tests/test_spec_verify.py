@@ -527,3 +527,7 @@ def test_sample_rows_uniform_at_the_top_of_its_range(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=torch.float64))
     assert sample_rows(rows).tolist() == [1, 0]
     assert torch.equal(rows, before)  # float64 rows are read, not summed in place
+    monkeypatch.undo()
+    for bad, what in (([[0.5, 0.5], [0.0, 0.0]], "sum 0.0"), ([[float("nan"), 1.0]], "sum nan")):
+        with pytest.raises(ValueError, match=rf"probs\[{len(bad) - 1}\] must be non-negative with a positive, finite sum, got {what}"):
+            sample_rows(torch.tensor(bad))

@@ -50,13 +50,16 @@ def check_aux_layers(asked: tuple[int, ...] | None, num_layers: int) -> tuple[tu
 Resume = Callable[[torch.nn.Module], tuple[TrainState, Callable[[TrainState], None]]]
 
 
-def examples(model, train: tuple[list, list], held: tuple[list, list], aux: tuple[int, ...], dtype: torch.dtype,
-             saved: Path, bar: Progress) -> tuple[eagle_train.Eagle3Data, eagle_train.Eagle3Data]:
+FEATURES_FORMAT = 2  # what eagle3_examples keeps (2: features in the dtype asked, final states float32)
+
+
+def examples(model, model_name: str, train: tuple[list, list], held: tuple[list, list], aux: tuple[int, ...],
+             dtype: torch.dtype, saved: Path, bar: Progress) -> tuple[eagle_train.Eagle3Data, eagle_train.Eagle3Data]:
     """The target's features along ``train`` and ``held`` (``eagle3_examples``), read from ``saved`` when
-    it holds those of the same answers, layers and dtype, else computed and written there: a resumed
-    run skips the stage (40 min for 7,000 answers on 2 cores) and maps the file rather than reading it
-    into memory."""
-    key = hashlib.sha256(json.dumps([train, held, list(aux), str(dtype)]).encode()).hexdigest()
+    it holds those of the same model, answers, layers and dtype, else computed and written there: a
+    resumed run skips the stage (40 min for 7,000 answers on 2 cores) and maps the file rather than
+    reading it into memory."""
+    key = hashlib.sha256(json.dumps([FEATURES_FORMAT, model_name, train, held, list(aux), str(dtype)]).encode()).hexdigest()
     if saved.is_file():
         blob = torch.load(saved, map_location="cpu", weights_only=True, mmap=True)
         if blob.get("key") == key:
@@ -85,7 +88,7 @@ def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: 
     held_out = len(held[0])
     kept = torch.bfloat16 if args.bf16 else torch.float32  # --bf16 GEMMs round the features to bfloat16 anyway
     try:
-        data, held = examples(model, train, held, aux, kept, features, bar)
+        data, held = examples(model, model_name, train, held, aux, kept, features, bar)
     except ValueError as exc:  # e.g. every answer ended at once (EOS)
         err.print(f"[red]treeattn train-heads: the answers cannot train a head: {exc}[/red]")
         return 2

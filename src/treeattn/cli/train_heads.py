@@ -2,7 +2,8 @@
 transformers' LlamaForCausalLM with treeattn's attention, ``treeattn.models.load_smollm2``).
 
 Three stages, each checkpointed so that an interrupted run resumes where it stopped (rerun the same
-command; a rerun with another ``--samples`` keeps the answers already written): the model writes
+command; a rerun with other settings or more ``--samples`` keeps the answers already written, even
+after a finished run): the model writes
 greedy answers to the shipped prompts (``speculative/data/prompts.txt``) and, with ``--samples N``,
 ``N - 1`` sampled answers more to each training prompt; its hidden states along those answers become
 the training data, then the head is trained (one checkpoint per epoch).
@@ -78,7 +79,9 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="prompts generated together (default 16)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="checkpoint file (default: OUT with suffix .ckpt); --arch eagle3 keeps the target's "
-                             "features beside it (suffix .features.pt); both removed when training ends")
+                             "features beside it (suffix .features.pt). When training ends the features go and the "
+                             "checkpoint keeps only the answers, for later runs (other training settings, more "
+                             "--samples); delete it to write them again")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the demo)")
     parser.add_argument("--bf16", action="store_true",
                         help="--arch eagle3: train with bfloat16 autocast (weights, optimizer and loss stay float32): "
@@ -147,7 +150,8 @@ def main_train_heads(args: argparse.Namespace) -> int:
         saved = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         if saved.get("data_config") == data_config:
             ckpt["outputs"] = saved["outputs"]
-            if saved.get("sample_config") == sample_config or args.samples == 1:  # --samples 1 keeps any
+            same_temperature = (saved.get("sample_config") or {}).get("temperature") == args.temperature
+            if same_temperature or args.samples == 1:  # --samples 1 reads none and keeps any
                 ckpt["sample_config"], ckpt["sampled"] = saved.get("sample_config"), saved.get("sampled", [])
             if saved.get("train_config") == train_config:
                 ckpt["heads"], ckpt["train"] = saved["heads"], saved["train"]
@@ -162,6 +166,13 @@ def main_train_heads(args: argparse.Namespace) -> int:
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save(ckpt, tmp)
         tmp.replace(ckpt_path)  # atomic: an interrupt never leaves half a checkpoint
+
+    def keep_answers() -> None:
+        """Training is done: the checkpoint keeps only the answers (the run's longest stage) for later runs."""
+        ckpt["heads"] = ckpt["train"] = None
+        save()
+        console.print(f"kept the answers in {ckpt_path} for later runs (other settings reuse them; delete it to "
+                      "write them again)")
 
     def resume(head: torch.nn.Module) -> tuple[TrainState, Callable[[TrainState], None]]:
         """The training state saved with ``head``'s weights (loaded into it), and what checkpoints an epoch."""
@@ -206,7 +217,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
             features = ckpt_path.with_suffix(".features.pt")
             code = run_eagle3(args, model, train, held, aux, resume, bar, started, MODEL_NAME, features)
             if code == 0:
-                ckpt_path.unlink(missing_ok=True)
+                keep_answers()
                 features.unlink(missing_ok=True)
             return code
         task = bar.add_task("hidden states", total=len(train[0]), info="")
@@ -232,7 +243,7 @@ def main_train_heads(args: argparse.Namespace) -> int:
                rows=len(data),
                max_tokens=args.max_tokens, vocab=len(vocab), epochs=args.epochs, lr=args.lr, top1=top1, top4=top4,
                minutes=round(minutes, 1), threads=threads)
-    ckpt_path.unlink(missing_ok=True)
+    keep_answers()
     table = Table(title=f"held-out accuracy ({held_out} prompts, {len(held)} positions)", box=box.SIMPLE_HEAD)
     for col in ("draft step", "guesses", "top-1", "top-4"):
         table.add_column(col, justify="right")

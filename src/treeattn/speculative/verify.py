@@ -325,10 +325,13 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None = None) -
     necessarily normalised), drawn by inverting the row's cumulative distribution at a uniform from
     ``generator``. On the CPU ``torch.multinomial`` draws one exponential per vocabulary entry
     (68 ms for 64 rows of SmolLM2's 49152: a fifth of a batched decoding step); this draws one
-    uniform per row (1.7 ms). The sums are float64, so a token's share is its probability to ~1e-16;
-    a zero-probability token spans an empty interval and is never drawn."""
+    uniform per row (1.7 ms). The sums are float64, so a token's share is its probability to ~1e-16 of
+    the row's mass; a zero-probability token spans an empty interval and is never drawn."""
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # a new tensor: the caller's probs stay as they are
     total = cdf[:, -1:]
+    if not bool((total > 0).all()) or not bool(total.isfinite().all()):  # no token to draw, or NaN / inf
+        row = int((~((total > 0) & total.isfinite())).nonzero()[0, 0])
+        raise ValueError(f"probs[{row}] must be non-negative with a positive, finite sum, got sum {float(total[row])}")
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
     # u < total, except that rounding can make u == total: keep it strictly below the last boundary.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
