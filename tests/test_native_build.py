@@ -40,6 +40,17 @@ def test_two_checkouts_of_the_same_sources_share_one_build_without_rebuilding(tm
     assert len(set(stamps)) == 1, f"the module was rebuilt: {stamps}"
 
 
+def test_two_torch_installs_build_in_two_folders(monkeypatch):
+    """Two environments with the same torch version (a venv and CI's) name their own headers and libraries
+    in the build: they get a folder each instead of rebuilding each other's module in turn."""
+    import torch
+
+    here = build.default_build_directory()
+    assert build.default_build_directory() == here
+    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert build.default_build_directory() != here
+
+
 def test_the_kernel_builds_where_a_compiler_is():
     """Every native test skips when the build fails (a user without a compiler gets the cpu backend), so a
     broken build would pass unnoticed: on x86-64 Linux with a C++ compiler (CI's machines) it must build."""

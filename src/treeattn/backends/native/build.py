@@ -30,11 +30,13 @@ FLAGS = ["-O3", "-fopenmp"]
 
 
 def default_build_directory(csrc: Path | None = None) -> str:
-    """``<torch extensions root>/treeattn_native-<digest of csrc/, flags, torch version>``."""
+    """``<torch extensions root>/treeattn_native-<digest of csrc/, flags, torch version and install>``.
+    The install (torch's folder) is in the digest since the build names its headers and libraries: two
+    environments with the same torch version took turns rebuilding each other's module in one folder."""
     import torch
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(f"{FLAGS} {torch.__version__}".encode())
+    digest = hashlib.sha256(f"{FLAGS} {torch.__version__} {os.path.dirname(torch.__file__)}".encode())
     for path in sorted((csrc or CSRC).iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
