@@ -8,7 +8,17 @@ from hypothesis import strategies as st
 
 import treeattn
 from tests.helpers import binary, chain, forest, parent_arrays, star
-from treeattn.tree import MAX_TREE_SIZE, ancestor_path, ancestor_paths, encode_trees, order_and_depth, path_sums
+from treeattn.tree import (
+    CHAIN_CHUNK,
+    MAX_TREE_SIZE,
+    ancestor_path,
+    ancestor_paths,
+    chain_chunks,
+    chain_order,
+    encode_trees,
+    order_and_depth,
+    path_sums,
+)
 
 GOLDEN = [
     ([-1, 0, 0, 1, 1, 2, 2], [(0, 7), (1, 4), (4, 7), (2, 3), (3, 4), (5, 6), (6, 7)]),
@@ -338,3 +348,16 @@ def test_token_tree_is_immutable_and_owns_its_parents():
         tree.parents[1] = -1
     with pytest.raises(AttributeError):
         tree.parents = np.array([-1])
+
+
+@given(st.integers(0, 3 * CHAIN_CHUNK + 1))
+@settings(max_examples=40, deadline=None)
+def test_chain_chunks_cut_a_causal_append_into_consecutive_chains(n):
+    chunks = chain_chunks(n)
+    firsts = [lo for lo, _ in chunks]
+    sizes = [order.shape[0] for _, order in chunks]
+    assert firsts == list(range(0, n, CHAIN_CHUNK))
+    assert sum(sizes) == n and all(0 < k <= CHAIN_CHUNK for k in sizes)
+    for _, order in chunks:  # each chunk a chain: node i enters at i, its subtree runs to the chunk's end
+        np.testing.assert_array_equal(order, chain_order(order.shape[0]))
+        assert (order[:, 1] == order.shape[0]).all()

@@ -150,6 +150,12 @@ def chain_order(n: int) -> np.ndarray:
     return np.stack([np.arange(n), np.full(n, n)], axis=1)
 
 
+def chain_chunks(n: int) -> list[tuple[int, np.ndarray]]:
+    """A causal append of ``n`` rows as chains of at most ``CHAIN_CHUNK`` rows: ``(first row, chain_order)``
+    per chain; each chain's rows also see every row before the chain (none when ``n`` is 0)."""
+    return [(lo, chain_order(min(n, lo + CHAIN_CHUNK) - lo)) for lo in range(0, n, CHAIN_CHUNK)]
+
+
 def pack_trees(trees: Sequence[ParentsLike]) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate the trees of a batch: ``(tree_indptr int32 [B+1], tree_order int32 [N, 2])``."""
     indptr, order, _ = encode_trees(trees)

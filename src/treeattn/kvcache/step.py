@@ -26,7 +26,7 @@ import torch
 
 from ..layout import SlotIndex, slots
 from ..plan import TreeAttentionPlan
-from ..tree import CHAIN_CHUNK, chain_order
+from ..tree import CHAIN_CHUNK, chain_chunks, chain_order
 from .pages import num_pages_for
 
 
@@ -87,9 +87,9 @@ def _append_first_requests(steps: list[Step]) -> list[tuple]:
         if s.order is not None:
             requests.append((s.append, s.new_len, s.pages, s.order))
             continue
-        for lo in range(0, s.append, CHAIN_CHUNK):
-            hi = min(s.append, lo + CHAIN_CHUNK)
-            requests.append((hi - lo, s.old_len + hi, s.pages, chain_order(hi - lo)))
+        for lo, order in chain_chunks(s.append):
+            rows = order.shape[0]
+            requests.append((rows, s.old_len + lo + rows, s.pages, order))
     return requests
 
 

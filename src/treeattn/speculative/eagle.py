@@ -51,7 +51,7 @@ from torch import nn
 from ..checks import int_vector
 from ..ops import tree_attention
 from ..plan import TreeAttentionPlan
-from ..tree import CHAIN_CHUNK, chain_order, encode_trees
+from ..tree import chain_chunks, encode_trees
 
 __all__ = ["Eagle3Head", "EagleHead", "HeadConfig", "HeadKVCache", "HeadOutput", "default_aux_layers"]
 
@@ -477,8 +477,7 @@ class HeadKVCache:
                 s.parents = s.parents[:0]
                 at = s.length
                 s.length += n
-                # a chain per CHAIN_CHUNK rows, each seeing every row before it (a long prompt's first append)
-                requests = [(lo, chain_order(min(n, lo + CHAIN_CHUNK) - lo)) for lo in range(0, n, CHAIN_CHUNK)]
+                requests = chain_chunks(n)  # a long prompt's first append: chains, each seeing the rows before it
             else:
                 at, s.parents = s.length + s.parents.shape[0], step.trees[b]
                 indptr, encoded = step.encoded
