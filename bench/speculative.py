@@ -5,9 +5,10 @@
 Prompts: the demo's built-in ones (they repeat their input: lookup drafters shine) and prompts with
 nothing to look up. Methods: greedy; the n-gram drafter verifying its full 16-node trees (the demo's
 drafter before adaptive trees); and the adaptive drafters ``ngram``, ``suffix``, ``heads``,
-``auto`` (suffix + heads), each built as ``treeattn demo --drafter NAME`` builds it; with
-``--draft-head PATH`` (an EAGLE-3 or EAGLE-1/2 checkpoint, e.g. from ``treeattn train-heads --arch
-eagle3``) also ``eagle`` and ``auto eagle``, that head in place of treeattn's. Every repetition
+``auto`` (suffix + heads) with treeattn's head file, each built as ``treeattn demo --drafter NAME``
+builds it, and ``eagle`` and ``auto eagle``, an EAGLE-3 head in place of that file: treeattn's (the
+user's from ``treeattn train-heads --arch eagle3`` or the shipped one, which ``treeattn demo``
+prefers), or ``--draft-head PATH`` (an EAGLE-3 or EAGLE-1/2 checkpoint). Every repetition
 runs each prompt with every method, in an order rotated per prompt, with fresh drafters (a drafter
 keeps what it learns across the prompts of one repetition, as in the demo, but never sees an answer
 to the same prompt twice). Every output is checked token for token against greedy. The load
@@ -57,10 +58,16 @@ def make(method: str, model, budget: int, draft_head=None):
         return None
     if method == "ngram full":
         return NGramDrafter(16)
-    if method in ("eagle", "auto eagle"):  # the published head in place of treeattn's
-        drafter, _ = build_drafter("heads" if method == "eagle" else "auto", None, budget, draft_head=draft_head)
-    else:
-        drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME)
+    if method in ("eagle", "auto eagle"):
+        kind = "heads" if method == "eagle" else "auto"
+        if draft_head is not None:  # a published head (--draft-head) in place of treeattn's
+            drafter, _ = build_drafter(kind, None, budget, draft_head=draft_head)
+        else:  # treeattn's EAGLE-3 head: the user's or the shipped one
+            drafter, _ = build_drafter(kind, model.vocab_weights(), budget, heads=find_heads(), model_name=MODEL_NAME,
+                                       num_layers=model.config.num_hidden_layers)
+    else:  # heads and auto: treeattn's head file, not an EAGLE-3 head
+        drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME,
+                                   heads=find_heads(eagle3=False) if method in ("heads", "auto") else None)
     probe_cost(model, drafter.cost)  # as the demo does: the cost model starts from timed forwards
     return drafter
 
@@ -72,18 +79,22 @@ def main() -> int:
     parser.add_argument("--tree-budget", type=int, default=24, help="most nodes per tree (default 24)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: as the demo)")
     parser.add_argument("--draft-head", type=Path, default=None, metavar="PATH",
-                        help="also measure this EAGLE-3 / EAGLE-1/2 checkpoint (methods eagle and auto eagle)")
+                        help="the EAGLE-3 / EAGLE-1/2 checkpoint of methods eagle and auto eagle (default: treeattn's "
+                             "EAGLE-3 head, the user's or the shipped one, where there is one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     threads, why = pick_threads(args.threads)
     torch.set_num_threads(threads)
     model, tokenizer = load_smollm2()
-    methods = [m for m in METHODS if m not in ("heads", "auto") or find_heads() is not None]
+    methods = [m for m in METHODS if m not in ("heads", "auto") or find_heads(eagle3=False) is not None]
     if len(methods) < len(METHODS):
-        print("no draft heads found (treeattn train-heads): heads and auto are left out", file=sys.stderr)
+        print("no draft head file found (treeattn train-heads): heads and auto are left out", file=sys.stderr)
     draft_head = None
     if args.draft_head is not None:
         draft_head = load_draft_head(args.draft_head, target=model)
+    own = find_heads()  # treeattn's EAGLE-3 head where there is one (a folder), else its head file
+    eagle3 = args.draft_head or (own if own is not None and own.is_dir() else None)
+    if eagle3 is not None:
         methods += ["eagle", "auto eagle"]
     texts = {**BUILTIN_PROMPTS, **NO_LOOKUP}
     ids = {name: chat_ids(tokenizer, text) for name, text in texts.items()}
@@ -115,8 +126,9 @@ def main() -> int:
     record = {"model": MODEL_NAME, "dtype": "float32", "threads": threads, "why_threads": why.strip(),
               "max_tokens": args.max_tokens, "tree_budget": args.tree_budget, "reps": args.reps,
               "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}",
-              "torch": torch.__version__, "heads": str(find_heads()),
-              "draft_head": None if args.draft_head is None else str(args.draft_head), "summary": summary, "runs": runs,
+              "torch": torch.__version__, "heads": str(find_heads(eagle3=False)),
+              "draft_head": None if args.draft_head is None else str(args.draft_head),
+              "eagle_head": None if eagle3 is None else str(eagle3), "summary": summary, "runs": runs,
               "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "speculative.json").write_text(json.dumps(record, indent=1))

@@ -56,7 +56,7 @@ def tiny_model():
 
 
 def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(choice, "find_heads", lambda: None)
+    monkeypatch.setattr(choice, "find_heads", lambda eagle3=True: None)
     for kind, names in (("ngram", ["NGramDrafter"]), ("suffix", ["SuffixDrafter"]), ("auto", ["SuffixDrafter"])):
         drafter, described = choice.build_drafter(kind, tiny_model.vocab_weights(), 12)
         assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 12
@@ -76,7 +76,7 @@ def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
 
 def test_heads_for_another_model_are_refused_or_skipped(tiny_model, tmp_path, monkeypatch):
     save_heads(DraftHeads(64, range(16)), tmp_path / "smol.pt", model=demo.MODEL_NAME)
-    monkeypatch.setattr(choice, "find_heads", lambda: tmp_path / "smol.pt")  # the default: SmolLM2's heads
+    monkeypatch.setattr(choice, "find_heads", lambda eagle3=True: tmp_path / "smol.pt")  # the default: SmolLM2's heads
     drafter, described = choice.build_drafter("auto", tiny_model.vocab_weights(), 12, model_name="tiny (LlamaForCausalLM)")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
     assert f"trained for {demo.MODEL_NAME}, not tiny" in described
@@ -91,6 +91,37 @@ def test_heads_for_another_model_are_refused_or_skipped(tiny_model, tmp_path, mo
     torch.save({"format": "treeattn-draft-heads-1"}, tmp_path / "medusa.pt")  # an older treeattn's heads
     drafter, described = choice.build_drafter("auto", tiny_model.vocab_weights(), 12, heads=tmp_path / "medusa.pt")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"] and "rerun `treeattn train-heads`" in described
+
+
+def test_an_eagle3_head_from_train_heads_drafts_for_heads_and_auto(tiny_model, tmp_path, monkeypatch):
+    from treeattn.speculative.eagle_drafter import EagleDrafter
+    from treeattn.speculative.eagle_train import new_eagle3_head, save_eagle3
+
+    weights, layers = tiny_model.vocab_weights(), tiny_model.config.num_hidden_layers
+    folder = save_eagle3(new_eagle3_head(tiny_model, range(16), (0, 1, 2)), tmp_path / "e3", target_layers=layers,
+                         model=demo.MODEL_NAME)
+    drafter, _ = choice.build_drafter("auto", weights, 12, heads=folder, num_layers=layers)
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "EagleDrafter"]
+    drafter, described = choice.build_drafter("heads", weights, 12, heads=folder, num_layers=layers, full_trees=True)
+    assert isinstance(drafter, EagleDrafter) and drafter.budget == 12 and "full" in described
+    out = generate(tiny_model, [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=12, drafter=drafter)
+    assert out.tokens == generate(tiny_model, [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=12).tokens
+    # Checked against the target: its depth must be given (the aux layers are read from it), and must hold them.
+    with pytest.raises(ValueError, match="EAGLE-3 head, which is checked against its target's decoder layers"):
+        choice.build_drafter("heads", weights, 12, heads=folder)
+    with pytest.raises(ValueError, match="drafter 'heads': .*aux"):
+        choice.build_drafter("heads", weights, 12, heads=folder, num_layers=1)
+    drafter, described = choice.build_drafter("auto", weights, 12, heads=folder, num_layers=layers,
+                                              model_name="tiny (LlamaForCausalLM)")
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
+    assert f"trained for {demo.MODEL_NAME}, not tiny" in described
+    # The default: an EAGLE-3 folder where find_heads finds one, passed over without the target's depth.
+    found = {True: folder, False: None}
+    monkeypatch.setattr(choice, "find_heads", lambda eagle3=True: found[eagle3])
+    drafter, _ = choice.build_drafter("auto", weights, 12, num_layers=layers)
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "EagleDrafter"]
+    drafter, _ = choice.build_drafter("auto", weights, 12)
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
 
 
 def tiny_tokenizer():

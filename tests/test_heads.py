@@ -267,11 +267,35 @@ def test_find_heads_passes_over_an_unusable_user_file(tmp_path, monkeypatch):
     save_heads(random_head(depth=1), shipped)
     monkeypatch.setattr(module, "DEFAULT_HEADS", user)
     monkeypatch.setattr(module, "PACKAGED_HEADS", shipped)
+    for name in ("DEFAULT_EAGLE3", "PACKAGED_EAGLE3"):
+        monkeypatch.setattr(module, name, tmp_path / name)
     assert module.find_heads() == shipped
     torch.save({"format": "treeattn-draft-heads-1"}, user)  # an older treeattn's Medusa heads
     assert module.find_heads() == shipped
     save_heads(random_head(depth=2), user)
     assert module.find_heads() == user
+
+
+def test_find_heads_prefers_eagle3_folders_and_the_users_heads(tmp_path, monkeypatch):
+    from treeattn.speculative import heads as module
+
+    paths = {name: tmp_path / name for name in ("DEFAULT_EAGLE3", "DEFAULT_HEADS", "PACKAGED_EAGLE3", "PACKAGED_HEADS")}
+    for name, path in paths.items():
+        monkeypatch.setattr(module, name, path)
+    save_heads(random_head(depth=1), paths["PACKAGED_HEADS"])
+    paths["PACKAGED_EAGLE3"].mkdir()
+    (paths["PACKAGED_EAGLE3"] / "config.json").write_text("{}")
+    assert module.find_heads() == paths["PACKAGED_HEADS"]  # a folder without weights is no checkpoint
+    (paths["PACKAGED_EAGLE3"] / "model.safetensors").write_bytes(b"")
+    assert module.find_heads() == paths["PACKAGED_EAGLE3"]
+    assert module.find_heads(eagle3=False) == paths["PACKAGED_HEADS"]
+    save_heads(random_head(depth=1), paths["DEFAULT_HEADS"])  # the user's own head wins over the shipped ones
+    assert module.find_heads() == paths["DEFAULT_HEADS"]
+    paths["DEFAULT_EAGLE3"].mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (paths["DEFAULT_EAGLE3"] / name).write_text("{}")
+    assert module.find_heads() == paths["DEFAULT_EAGLE3"]
+    assert module.find_heads(eagle3=False) == paths["DEFAULT_HEADS"]
 
 
 def test_a_head_trains_in_another_dtype_than_the_models(tiny):

@@ -102,7 +102,7 @@ def test_bad_tree_options_name_the_field(value, match):
 
 def test_a_missing_head_file_fails_when_the_server_starts(env, monkeypatch):
     monkeypatch.setenv(TREES_ENV_VAR, '{"drafter": "heads", "heads": "/no/such/h.pt"}')
-    with pytest.raises(ValueError, match="heads: no such file /no/such/h.pt"):
+    with pytest.raises(ValueError, match="heads: no such file or folder /no/such/h.pt"):
         configured_drafter({}, 8)  # what TreeProposer(vllm_config) runs in the engine at start
 
 

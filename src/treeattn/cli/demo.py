@@ -76,7 +76,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", choices=DRAFTERS, default="auto",
                         help="ngram, suffix, heads or auto: suffix + heads when heads are available (default auto)")
     parser.add_argument("--heads", type=Path, default=None,
-                        help="draft heads file (default: from `treeattn train-heads`, else the shipped ones)")
+                        help="treeattn's draft head: a heads file or an --arch eagle3 folder from `treeattn "
+                             "train-heads` (default: the one it wrote, EAGLE-3 first, else the shipped one)")
     parser.add_argument("--draft-head", type=Path, default=None, metavar="PATH",
                         help="a published EAGLE-3, EAGLE-1/2 or Medusa draft head (a folder with config.json and "
                              "weights, or a weights file), checked against the model; drafts for --drafter heads or "
@@ -213,7 +214,8 @@ def main_demo(args: argparse.Namespace) -> int:
             return 2
     try:
         drafter, described = build_drafter(args.drafter, model.vocab_weights(), args.tree_budget, heads=args.heads,
-                                           draft_head=draft_head, full_trees=args.full_trees, model_name=name)
+                                           draft_head=draft_head, full_trees=args.full_trees, model_name=name,
+                                           num_layers=model.config.num_hidden_layers)
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")
         return 2

@@ -36,6 +36,7 @@ from rich.table import Table
 from ..models.loader import ModelNotAvailable, load_smollm2
 from ..speculative import SamplingParams
 from ..speculative.heads import (
+    DEFAULT_EAGLE3,
     DEFAULT_HEADS,
     PROMPTS_FILE,
     DraftHeads,
@@ -49,8 +50,6 @@ from ..speculative.heads import (
 )
 from .demo import MODEL_NAME, chat_ids, pick_threads
 from .train_eagle3 import aux_layers_arg, check_aux_layers, run_eagle3
-
-DEFAULT_EAGLE3 = DEFAULT_HEADS.with_name("smollm2-135m-eagle3")  # a checkpoint folder
 
 
 def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:

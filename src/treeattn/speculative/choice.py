@@ -5,9 +5,11 @@ head (``load_draft_head``) in place of treeattn's own."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .adaptive import AdaptiveDrafter, CostModel
+from .checkpoints import DraftTarget, load_draft_head
 from .drafters import MedusaHeads, NGramDrafter, StaticTreeDrafter
 from .eagle import Eagle3Head, EagleHead
 from .eagle_drafter import EagleDrafter
@@ -23,9 +25,9 @@ def heads_mismatch(heads, metadata: dict, weights: VocabWeights, model_name: str
     """Why a draft head cannot draft for the model of ``weights`` (``None``: it can). A head file names
     the model it was trained for (``treeattn train-heads`` writes it), checked when ``model_name`` is
     given; its hidden size and vocabulary must fit, as it reads that model's states, embeddings and LM head."""
-    made_for = metadata.get("model")
-    if model_name is not None and made_for is not None and made_for != model_name:
-        return f"the draft head was trained for {made_for}, not {model_name}"
+    why = _made_for_another(metadata.get("model"), model_name)
+    if why is not None:
+        return why
     try:
         heads.check_model(weights)
     except ValueError as exc:
@@ -33,12 +35,19 @@ def heads_mismatch(heads, metadata: dict, weights: VocabWeights, model_name: str
     return None
 
 
-def heads_file(kind: str, heads: Path | None) -> Path | None:
-    """The draft-head file drafter ``kind`` (``heads`` or ``auto``) would use: ``heads``, else
-    ``find_heads()``; ``ValueError`` when ``heads`` is missing, or ``kind`` is ``heads`` and there is none."""
-    if heads is not None and not Path(heads).is_file():
-        raise ValueError(f"heads: no such file {heads}")
-    path = Path(heads) if heads is not None else find_heads()
+def _made_for_another(made_for: str | None, model_name: str | None) -> str | None:
+    if model_name is not None and made_for is not None and made_for != model_name:
+        return f"the draft head was trained for {made_for}, not {model_name}"
+    return None
+
+
+def heads_file(kind: str, heads: Path | None, *, eagle3: bool = True) -> Path | None:
+    """The draft head drafter ``kind`` (``heads`` or ``auto``) would use: ``heads`` (a treeattn head
+    file, or the EAGLE-3 folder of ``treeattn train-heads --arch eagle3``), else ``find_heads(eagle3=)``;
+    ``ValueError`` when ``heads`` is missing, or ``kind`` is ``heads`` and there is none."""
+    if heads is not None and not Path(heads).exists():
+        raise ValueError(f"heads: no such file or folder {heads}")
+    path = Path(heads) if heads is not None else find_heads(eagle3=eagle3)
     if kind == "heads" and path is None:
         raise ValueError("drafter 'heads' needs a trained draft head: run `treeattn train-heads` first "
                          "(or pass a heads file)")
@@ -66,16 +75,19 @@ def published_drafter(head, budget: int, *, full_trees: bool = False):
 
 
 def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads: Path | None = None,
-                  draft_head=None, full_trees: bool = False, model_name: str | None = None):
+                  draft_head=None, full_trees: bool = False, model_name: str | None = None,
+                  num_layers: int | None = None):
     """``(drafter, description)`` for drafter ``kind``: adaptive trees of up to ``budget`` nodes, or
     the drafter's whole trees with ``full_trees``.
 
     ``weights``: the target's ``(embeddings, lm_head)`` (a draft head drafts in their dtype); only
     ``heads`` and ``auto`` read them (None for the others).
-    ``heads``: the draft-head file (default ``find_heads()``, SmolLM2's). ``ValueError`` when ``kind``
-    is ``heads`` and there is none, or it does not fit the target (another hidden size or vocabulary,
-    or made for another model than ``model_name``, when given). ``auto`` is suffix + head, or suffix
-    alone without a usable head (and the description says why).
+    ``heads``: the draft head, a treeattn head file or an EAGLE-3 folder from ``treeattn train-heads``
+    (default ``find_heads()``, SmolLM2's). An EAGLE-3 head reads the target's layers: it is checked
+    against the target's ``num_layers`` decoder layers, and without them the default passes over it.
+    ``ValueError`` when ``kind`` is ``heads`` and there is none, or it does not fit the target (another
+    hidden size, vocabulary or depth, or made for another model than ``model_name``, when given).
+    ``auto`` is suffix + head, or suffix alone without a usable head (and the description says why).
     ``draft_head``: a published head (``load_draft_head(path, target=model)``, checked against the
     model there) that drafts in place of treeattn's own, for ``heads`` and ``auto``.
     """
@@ -91,7 +103,7 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
         return _combine(sources, budget, full_trees, "")
     if kind in ("heads", "auto") and weights is None:
         raise ValueError(f"drafter {kind!r} reads the target's embeddings and LM head: weights must be given")
-    heads_path = heads_file(kind, heads) if kind in ("heads", "auto") else None
+    heads_path = heads_file(kind, heads, eagle3=num_layers is not None) if kind in ("heads", "auto") else None
     sources, skipped = [], ""
     if kind == "ngram":
         sources.append(NGramDrafter(budget))
@@ -99,17 +111,43 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
         sources.append(SuffixDrafter(budget))
     if kind in ("heads", "auto") and heads_path is not None:
         try:
-            trained, metadata = load_heads(heads_path, dtype=weights[0].dtype)
-            why = heads_mismatch(trained, metadata, weights, model_name)
-        except ValueError as exc:  # e.g. Medusa heads from an older treeattn in the user's cache
-            why = str(exc)
+            if heads_path.is_dir():
+                drafter, why = _eagle3_drafter(heads_path, weights, budget, model_name, num_layers, full_trees)
+            else:
+                drafter, why = _heads_drafter(heads_path, weights, budget, model_name)
+        except (OSError, ValueError) as exc:  # e.g. Medusa heads from an older treeattn in the user's cache
+            drafter, why = None, str(exc)
         if why is None:
-            sources.append(HeadDrafter(trained, weights, budget=budget, dtype="fastest"))
+            sources.append(drafter)
         elif kind == "heads":
             raise ValueError(f"drafter 'heads': {heads_path}: {why}; pick another drafter")
         else:
             skipped = f" (no draft head: {why})"
     return _combine(sources, budget, full_trees, skipped)
+
+
+def _heads_drafter(path: Path, weights: VocabWeights, budget: int, model_name: str | None):
+    """``(HeadDrafter, None)`` for the treeattn head file at ``path``, or ``(None, why not)``."""
+    trained, metadata = load_heads(path, dtype=weights[0].dtype)
+    why = heads_mismatch(trained, metadata, weights, model_name)
+    return (HeadDrafter(trained, weights, budget=budget, dtype="fastest"), None) if why is None else (None, why)
+
+
+def _eagle3_drafter(path: Path, weights: VocabWeights, budget: int, model_name: str | None, num_layers: int | None,
+                    full_trees: bool):
+    """``(EagleDrafter, None)`` for the EAGLE-3 folder ``treeattn train-heads --arch eagle3`` wrote at
+    ``path`` (its ``config.json`` names the model it was trained for), or ``(None, why not)``."""
+    if num_layers is None:
+        return None, (f"{path} is an EAGLE-3 head, which is checked against its target's decoder layers: "
+                      "give num_layers")
+    made_for = json.loads((path / "config.json").read_text()).get("treeattn", {}).get("model")
+    why = _made_for_another(made_for, model_name)
+    if why is not None:
+        return None, why
+    embed, lm_head = weights
+    head = load_draft_head(path, target=DraftTarget(embed.shape[1], embed.shape[0], num_layers, embed, lm_head),
+                           dtype=embed.dtype, device=embed.device)
+    return published_drafter(head, budget, full_trees=full_trees), None
 
 
 def _combine(sources: list, budget: int, full_trees: bool, skipped: str):

@@ -40,7 +40,9 @@ from .drafters import as_context
 from .verify import DraftTree
 
 __all__ = [
+    "DEFAULT_EAGLE3",
     "DEFAULT_HEADS",
+    "PACKAGED_EAGLE3",
     "PACKAGED_HEADS",
     "PROMPTS_FILE",
     "DraftHeads",
@@ -63,9 +65,12 @@ __all__ = [
 
 _DATA = Path(__file__).parent / "data"
 PROMPTS_FILE = _DATA / "prompts.txt"  # the training prompts shipped with treeattn
-PACKAGED_HEADS = _DATA / "smollm2-135m-heads.pt"  # SmolLM2-135M's draft head shipped with treeattn
+# SmolLM2-135M's draft heads shipped with treeattn: a treeattn head file and an EAGLE-3 checkpoint folder.
+PACKAGED_HEADS = _DATA / "smollm2-135m-heads.pt"
+PACKAGED_EAGLE3 = _DATA / "smollm2-135m-eagle3"
 # Where ``treeattn train-heads`` writes by default (the user's own head wins over the shipped one).
 DEFAULT_HEADS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "treeattn" / "smollm2-135m-heads.pt"
+DEFAULT_EAGLE3 = DEFAULT_HEADS.with_name("smollm2-135m-eagle3")  # ``--arch eagle3``: a checkpoint folder
 _FORMAT = "treeattn-draft-head-2"
 
 Progress = Callable[[int, int, str], None]  # (done, total, message)
@@ -160,11 +165,18 @@ def load_heads(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
     return heads.to(dtype).eval(), metadata
 
 
-def find_heads() -> Path | None:
-    """SmolLM2-135M's draft head: the user's (``DEFAULT_HEADS``) if it loads (an older treeattn's
-    Medusa heads there do not), else the shipped one, else None."""
-    for path in (DEFAULT_HEADS, PACKAGED_HEADS):
-        if path.is_file():
+def find_heads(*, eagle3: bool = True) -> Path | None:
+    """SmolLM2-135M's draft head, the first usable of: the user's own (``treeattn train-heads`` writes
+    them: the EAGLE-3 folder ``DEFAULT_EAGLE3``, then the head file ``DEFAULT_HEADS``), then the shipped
+    ones (``PACKAGED_EAGLE3``, ``PACKAGED_HEADS``); None if there is none. A head file is usable if it
+    loads (an older treeattn's Medusa heads do not), a folder if it holds an EAGLE-3 checkpoint's
+    ``config.json`` and ``model.safetensors``. ``eagle3=False`` passes over the folders (an EAGLE-3 head
+    needs its target's depth to be checked against it)."""
+    for path in (DEFAULT_EAGLE3, DEFAULT_HEADS, PACKAGED_EAGLE3, PACKAGED_HEADS):
+        if path.is_dir():
+            if eagle3 and (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+                return path
+        elif path.is_file():
             try:
                 load_heads(path)
             except ValueError:

@@ -246,7 +246,7 @@ class DrafterByName:
                 raise ValueError(f"draft_head {self.draft_head}: {exc}") from exc
         drafter, described = build_drafter(self.kind, None if published is not None else weights, self.nodes,
                                            full_trees=self.full_trees, draft_head=published,
-                                           heads=None if self.heads is None else Path(self.heads))
+                                           heads=None if self.heads is None else Path(self.heads), num_layers=num_layers)
         logger.info("treeattn tree speculation: %s", described)
         return drafter
 
