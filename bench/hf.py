@@ -34,7 +34,7 @@ def _paths(tree, budget: int, eos: int):
 
     hf = tree.model
     hf.set_attn_implementation("sdpa")  # HF's own attention; the treeattn paths switch to theirs per call
-    drafter, described = build_drafter("auto", tree.vocab_weights(), budget)
+    drafter, described = build_drafter("auto", tree.vocab_weights(), budget, num_layers=tree.config.num_hidden_layers)
     with tree.attention():
         probe_cost(tree, drafter.cost)  # as the demo does: the cost model starts from timed forwards
 
