@@ -58,13 +58,8 @@ def make(method: str, model, budget: int, draft_head=None):
         return None
     if method == "ngram full":
         return NGramDrafter(16)
-    if method in ("eagle", "auto eagle"):
-        kind = "heads" if method == "eagle" else "auto"
-        if draft_head is not None:  # a published head (--draft-head) in place of treeattn's
-            drafter, _ = build_drafter(kind, None, budget, draft_head=draft_head)
-        else:  # treeattn's EAGLE-3 head: the user's or the shipped one
-            drafter, _ = build_drafter(kind, model.vocab_weights(), budget, heads=find_heads(), model_name=MODEL_NAME,
-                                       num_layers=model.config.num_hidden_layers)
+    if method in ("eagle", "auto eagle"):  # an EAGLE-3 head in place of treeattn's head file
+        drafter, _ = build_drafter("heads" if method == "eagle" else "auto", None, budget, draft_head=draft_head)
     else:  # heads and auto: treeattn's head file, not an EAGLE-3 head
         drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME,
                                    heads=find_heads(eagle3=False) if method in ("heads", "auto") else None)
@@ -89,12 +84,10 @@ def main() -> int:
     methods = [m for m in METHODS if m not in ("heads", "auto") or find_heads(eagle3=False) is not None]
     if len(methods) < len(METHODS):
         print("no draft head file found (treeattn train-heads): heads and auto are left out", file=sys.stderr)
-    draft_head = None
-    if args.draft_head is not None:
-        draft_head = load_draft_head(args.draft_head, target=model)
     own = find_heads()  # treeattn's EAGLE-3 head where there is one (a folder), else its head file
     eagle3 = args.draft_head or (own if own is not None and own.is_dir() else None)
-    if eagle3 is not None:
+    draft_head = None if eagle3 is None else load_draft_head(eagle3, target=model)
+    if draft_head is not None:
         methods += ["eagle", "auto eagle"]
     texts = {**BUILTIN_PROMPTS, **NO_LOOKUP}
     ids = {name: chat_ids(tokenizer, text) for name, text in texts.items()}
@@ -126,7 +119,7 @@ def main() -> int:
     record = {"model": MODEL_NAME, "dtype": "float32", "threads": threads, "why_threads": why.strip(),
               "max_tokens": args.max_tokens, "tree_budget": args.tree_budget, "reps": args.reps,
               "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}",
-              "torch": torch.__version__, "heads": str(find_heads(eagle3=False)),
+              "torch": torch.__version__, "heads": None if find_heads(eagle3=False) is None else str(find_heads(eagle3=False)),
               "draft_head": None if args.draft_head is None else str(args.draft_head),
               "eagle_head": None if eagle3 is None else str(eagle3), "summary": summary, "runs": runs,
               "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)]}

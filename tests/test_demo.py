@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def tiny_model():
 
 
 def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(choice, "find_heads", lambda eagle3=True: None)
+    monkeypatch.setattr(choice, "usable_heads", lambda eagle3=True: [])
     for kind, names in (("ngram", ["NGramDrafter"]), ("suffix", ["SuffixDrafter"]), ("auto", ["SuffixDrafter"])):
         drafter, described = choice.build_drafter(kind, tiny_model.vocab_weights(), 12)
         assert isinstance(drafter, AdaptiveDrafter) and drafter.max_nodes == 12
@@ -76,7 +77,7 @@ def test_drafter_choices(tiny_model, tmp_path, monkeypatch):
 
 def test_heads_for_another_model_are_refused_or_skipped(tiny_model, tmp_path, monkeypatch):
     save_heads(DraftHeads(64, range(16)), tmp_path / "smol.pt", model=demo.MODEL_NAME)
-    monkeypatch.setattr(choice, "find_heads", lambda eagle3=True: tmp_path / "smol.pt")  # the default: SmolLM2's heads
+    monkeypatch.setattr(choice, "usable_heads", lambda eagle3=True: [tmp_path / "smol.pt"])  # the default: SmolLM2's
     drafter, described = choice.build_drafter("auto", tiny_model.vocab_weights(), 12, model_name="tiny (LlamaForCausalLM)")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
     assert f"trained for {demo.MODEL_NAME}, not tiny" in described
@@ -107,7 +108,7 @@ def test_an_eagle3_head_from_train_heads_drafts_for_heads_and_auto(tiny_model, t
     out = generate(tiny_model, [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=12, drafter=drafter)
     assert out.tokens == generate(tiny_model, [[5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=12).tokens
     # Checked against the target: its depth must be given (the aux layers are read from it), and must hold them.
-    with pytest.raises(ValueError, match="EAGLE-3 head, which is checked against its target's decoder layers"):
+    with pytest.raises(ValueError, match="EAGLE-3 head is checked against its target's decoder layers"):
         choice.build_drafter("heads", weights, 12, heads=folder)
     with pytest.raises(ValueError, match="drafter 'heads': .*aux"):
         choice.build_drafter("heads", weights, 12, heads=folder, num_layers=1)
@@ -115,13 +116,45 @@ def test_an_eagle3_head_from_train_heads_drafts_for_heads_and_auto(tiny_model, t
                                               model_name="tiny (LlamaForCausalLM)")
     assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
     assert f"trained for {demo.MODEL_NAME}, not tiny" in described
-    # The default: an EAGLE-3 folder where find_heads finds one, passed over without the target's depth.
-    found = {True: folder, False: None}
-    monkeypatch.setattr(choice, "find_heads", lambda eagle3=True: found[eagle3])
+    # The default: the first usable head that fits; EAGLE-3 folders passed over without the target's depth.
+    save_heads(DraftHeads(64, range(16)), tmp_path / "h.pt")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.json").write_text("{}")
+    (damaged / "model.safetensors").write_bytes(b"not safetensors")
+    found = {True: [damaged, folder, tmp_path / "h.pt"], False: [tmp_path / "h.pt"]}
+    monkeypatch.setattr(choice, "usable_heads", lambda eagle3=True: found[eagle3])
     drafter, _ = choice.build_drafter("auto", weights, 12, num_layers=layers)
-    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "EagleDrafter"]
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "EagleDrafter"]  # past the damaged one
     drafter, _ = choice.build_drafter("auto", weights, 12)
-    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"]
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "HeadDrafter"]
+    drafter, described = choice.build_drafter("auto", weights, 12, heads=damaged, num_layers=layers)
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter"] and "not a readable checkpoint" in described
+    found[True] = [damaged]
+    with pytest.raises(ValueError, match=f"drafter 'heads': {damaged}: not a readable checkpoint"):
+        choice.build_drafter("heads", weights, 12, num_layers=layers)
+
+
+def test_heads_takes_only_eagle3_folders_and_the_demo_checks_them_against_its_model(tiny_model, tiny_folder, tmp_path,
+                                                                                 capsys):
+    from safetensors.torch import save_file
+
+    from treeattn.speculative.drafters import MedusaHeads
+    from treeattn.speculative.eagle_train import new_eagle3_head, save_eagle3
+
+    medusa = tmp_path / "medusa"
+    medusa.mkdir()
+    save_file({k: v.contiguous() for k, v in MedusaHeads(64, VOCAB, num_heads=2).state_dict().items()},
+              str(medusa / "model.safetensors"))
+    (medusa / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    with pytest.raises(ValueError, match="MedusaHeads, not an EAGLE-3 head: a published head drafts as a draft_head"):
+        choice.build_drafter("heads", tiny_model.vocab_weights(), 12, heads=medusa, num_layers=2)
+    # The demo passes its model's depth: a folder from train-heads drafts there.
+    folder = save_eagle3(new_eagle3_head(tiny_model, range(16), (0, 1, 2)), tmp_path / "e3", target_layers=2)
+    code = demo.main_demo(demo_args("--model", str(tiny_folder), "--max-tokens", "8", "--threads", "1",
+                                    "--drafter", "heads", "--heads", str(folder), "--prompt", "abc abc"))
+    text = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "EagleDrafter, adaptive trees" in text
 
 
 def tiny_tokenizer():
@@ -163,7 +196,7 @@ def test_demo_table_names_the_model_and_path(tiny_folder, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert code == 0
     assert "LlamaForCausalLM via treeattn attention, from" in text and tiny_folder.name in text
-    assert "no draft head: the draft head was trained for SmolLM2" in text  # never for another model
+    assert re.search(r"no draft head: \S+: the draft head was trained for SmolLM2", text)  # never for another model
 
 
 def test_demo_model_path_errors_name_the_reason(tiny_folder, tmp_path, capsys):

@@ -13,7 +13,8 @@ import torch
 from tests.helpers import VOCAB
 from treeattn.speculative import DraftTree, NGramDrafter
 from treeattn.speculative.adaptive import AdaptiveDrafter, StepGate
-from treeattn.speculative.heads import DraftHeads, HeadDrafter, find_heads, save_heads
+from treeattn.speculative.features import wanted_features
+from treeattn.speculative.heads import DraftHeads, HeadDrafter, save_heads
 from treeattn.vllm import tree_speculative_config
 from treeattn.vllm.speculative import (
     DRAFTER_ENV_VAR,
@@ -56,7 +57,7 @@ def test_config_names_the_proposer_and_ships_the_drafter(env):
     tree_speculative_config(nodes=10, drafter=NGramDrafter(10))  # a drafter object travels pickled
     assert isinstance(_shipped(10), AdaptiveDrafter)
     tree_speculative_config(nodes=10, drafter="auto")  # a head needs the target's weights: built in the worker
-    assert _shipped(10) == DrafterByName("auto", 10, str(find_heads()))
+    assert _shipped(10) == DrafterByName("auto", 10)  # the worker picks the default head that fits its target
 
 
 def test_a_drafter_by_name_is_plain_json_for_a_server(env, monkeypatch):
@@ -86,7 +87,7 @@ def test_a_drafter_by_name_is_plain_json_for_a_server(env, monkeypatch):
     ('{"drafter": "medusa"}', r"^W\.drafter must be one of ngram, suffix, heads, auto, got 'medusa'"),
     ('{"nodes": 16}', r"^W\.nodes: unknown field; .* num_speculative_tokens \+ 1"),
     ('{"adaptive": "yes"}', r"^W\.adaptive must be true or false, got 'yes'"),
-    ('{"heads": 3, "drafter": "heads"}', r"^W\.heads must be a file path or null"),
+    ('{"heads": 3, "drafter": "heads"}', r"^W\.heads must be a head file or EAGLE-3 folder path, or null"),
     ('{"heads": "h.pt"}', r"^W\.heads goes with drafter 'heads' or 'auto', not 'ngram'"),
     ('{"draft_head": "e3"}', r"^W\.draft_head goes with drafter 'heads' or 'auto', not 'ngram'"),
     ('{"draft_head": ["e3"], "drafter": "auto"}', r"^W\.draft_head must be a checkpoint path or null"),
@@ -104,6 +105,22 @@ def test_a_missing_head_file_fails_when_the_server_starts(env, monkeypatch):
     monkeypatch.setenv(TREES_ENV_VAR, '{"drafter": "heads", "heads": "/no/such/h.pt"}')
     with pytest.raises(ValueError, match="heads: no such file or folder /no/such/h.pt"):
         configured_drafter({}, 8)  # what TreeProposer(vllm_config) runs in the engine at start
+
+
+def test_an_eagle3_folder_from_train_heads_binds_with_the_targets_depth(env, tmp_path):
+    from tests.helpers import tiny_model
+    from treeattn.speculative.eagle_drafter import EagleDrafter
+    from treeattn.speculative.eagle_train import new_eagle3_head, save_eagle3
+
+    tiny = tiny_model("llama")
+    folder = save_eagle3(new_eagle3_head(tiny, range(16), (0, 1, 2)), tmp_path / "e3", target_layers=2)
+    tree_speculative_config(nodes=8, drafter="auto", heads=folder)
+    drafter = _shipped(8).bind(tiny.vocab_weights(), num_layers=2)
+    assert [type(s).__name__ for s in drafter.sources] == ["SuffixDrafter", "EagleDrafter"]
+    assert wanted_features(drafter) == (0, 1, 2)  # what the worker asks vLLM's model for
+    assert [type(s).__name__ for s in _shipped(8).bind(tiny.vocab_weights(), num_layers=1).sources] == ["SuffixDrafter"]
+    tree_speculative_config(nodes=8, drafter="heads", heads=folder, adaptive=False)
+    assert isinstance(_shipped(8).bind(tiny.vocab_weights(), num_layers=2), EagleDrafter)
 
 
 def test_a_draft_head_by_name_binds_to_the_targets_weights(env, tmp_path):

@@ -13,10 +13,11 @@ from .checkpoints import DraftTarget, load_draft_head
 from .drafters import MedusaHeads, NGramDrafter, StaticTreeDrafter
 from .eagle import Eagle3Head, EagleHead
 from .eagle_drafter import EagleDrafter
-from .heads import HeadDrafter, VocabWeights, find_heads, load_heads
+from .heads import HeadDrafter, VocabWeights, load_heads, usable_heads
 from .suffix import SuffixDrafter
 
-__all__ = ["DRAFTERS", "build_drafter", "heads_file", "heads_mismatch", "medusa_choices", "published_drafter"]
+__all__ = ["DRAFTERS", "build_drafter", "head_paths", "heads_mismatch", "load_for_target", "medusa_choices",
+           "published_drafter"]
 
 DRAFTERS = ("ngram", "suffix", "heads", "auto")
 
@@ -41,17 +42,26 @@ def _made_for_another(made_for: str | None, model_name: str | None) -> str | Non
     return None
 
 
-def heads_file(kind: str, heads: Path | None, *, eagle3: bool = True) -> Path | None:
-    """The draft head drafter ``kind`` (``heads`` or ``auto``) would use: ``heads`` (a treeattn head
-    file, or the EAGLE-3 folder of ``treeattn train-heads --arch eagle3``), else ``find_heads(eagle3=)``;
-    ``ValueError`` when ``heads`` is missing, or ``kind`` is ``heads`` and there is none."""
+def head_paths(kind: str, heads: Path | None, *, eagle3: bool = True) -> list[Path]:
+    """The draft heads drafter ``kind`` (``heads`` or ``auto``) tries, in order: ``heads`` (a treeattn
+    head file, or the EAGLE-3 folder of ``treeattn train-heads --arch eagle3``), else
+    ``usable_heads(eagle3=)``; ``ValueError`` when ``heads`` is missing, or ``kind`` is ``heads`` and
+    there is none."""
     if heads is not None and not Path(heads).exists():
         raise ValueError(f"heads: no such file or folder {heads}")
-    path = Path(heads) if heads is not None else find_heads(eagle3=eagle3)
-    if kind == "heads" and path is None:
+    paths = [Path(heads)] if heads is not None else usable_heads(eagle3=eagle3)
+    if kind == "heads" and not paths:
         raise ValueError("drafter 'heads' needs a trained draft head: run `treeattn train-heads` first "
-                         "(or pass a heads file)")
-    return path
+                         "(or pass a heads file or EAGLE-3 folder)")
+    return paths
+
+
+def load_for_target(path, weights: VocabWeights, num_layers: int):
+    """``load_draft_head(path)`` checked against (and sharing the weights of) a target with these
+    ``(embeddings, lm_head)`` weights and ``num_layers`` decoder layers, in the weights' dtype and device."""
+    embed, lm_head = weights
+    return load_draft_head(path, target=DraftTarget(embed.shape[1], embed.shape[0], num_layers, embed, lm_head),
+                           dtype=embed.dtype, device=embed.device)
 
 
 def medusa_choices(num_heads: int, budget: int, width: int = 3) -> list[tuple[int, ...]]:
@@ -83,11 +93,12 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
     ``weights``: the target's ``(embeddings, lm_head)`` (a draft head drafts in their dtype); only
     ``heads`` and ``auto`` read them (None for the others).
     ``heads``: the draft head, a treeattn head file or an EAGLE-3 folder from ``treeattn train-heads``
-    (default ``find_heads()``, SmolLM2's). An EAGLE-3 head reads the target's layers: it is checked
-    against the target's ``num_layers`` decoder layers, and without them the default passes over it.
-    ``ValueError`` when ``kind`` is ``heads`` and there is none, or it does not fit the target (another
-    hidden size, vocabulary or depth, or made for another model than ``model_name``, when given).
-    ``auto`` is suffix + head, or suffix alone without a usable head (and the description says why).
+    (default: the first of ``usable_heads()``, SmolLM2's, that fits the target). An EAGLE-3 head reads
+    the target's layers: it is checked against the target's ``num_layers`` decoder layers, and without
+    them the default passes over it. ``ValueError`` when ``kind`` is ``heads`` and none fits the target
+    (another hidden size, vocabulary or depth, or made for another model than ``model_name``, when
+    given). ``auto`` is suffix + head, or suffix alone without a usable head (and the description says
+    why: the first head's reason).
     ``draft_head``: a published head (``load_draft_head(path, target=model)``, checked against the
     model there) that drafts in place of treeattn's own, for ``heads`` and ``auto``.
     """
@@ -96,33 +107,37 @@ def build_drafter(kind: str, weights: VocabWeights | None, budget: int, *, heads
     if draft_head is not None:
         if kind not in ("heads", "auto") or heads is not None:
             raise ValueError(f"a published draft head (--draft-head) drafts for drafter heads or auto, in place of "
-                             f"a treeattn head file (--heads); got drafter {kind!r}"
+                             f"treeattn's head (--heads); got drafter {kind!r}"
                              + (f" and heads {heads}" if heads is not None else ""))
         published = published_drafter(draft_head, budget, full_trees=full_trees)
         sources = ([SuffixDrafter(budget)] if kind == "auto" else []) + [published]
         return _combine(sources, budget, full_trees, "")
     if kind in ("heads", "auto") and weights is None:
         raise ValueError(f"drafter {kind!r} reads the target's embeddings and LM head: weights must be given")
-    heads_path = heads_file(kind, heads, eagle3=num_layers is not None) if kind in ("heads", "auto") else None
+    paths = head_paths(kind, heads, eagle3=num_layers is not None) if kind in ("heads", "auto") else []
     sources, skipped = [], ""
     if kind == "ngram":
         sources.append(NGramDrafter(budget))
     if kind in ("suffix", "auto"):
         sources.append(SuffixDrafter(budget))
-    if kind in ("heads", "auto") and heads_path is not None:
+    reasons = []  # per head tried: why it cannot draft for this target
+    for path in paths:
         try:
-            if heads_path.is_dir():
-                drafter, why = _eagle3_drafter(heads_path, weights, budget, model_name, num_layers, full_trees)
+            if path.is_dir():
+                drafter, why = _eagle3_drafter(path, weights, budget, model_name, num_layers, full_trees)
             else:
-                drafter, why = _heads_drafter(heads_path, weights, budget, model_name)
+                drafter, why = _heads_drafter(path, weights, budget, model_name)
         except (OSError, ValueError) as exc:  # e.g. Medusa heads from an older treeattn in the user's cache
             drafter, why = None, str(exc)
         if why is None:
             sources.append(drafter)
-        elif kind == "heads":
-            raise ValueError(f"drafter 'heads': {heads_path}: {why}; pick another drafter")
-        else:
-            skipped = f" (no draft head: {why})"
+            break
+        reasons.append(f"{path}: {why}")
+    else:
+        if reasons and kind == "heads":
+            raise ValueError(f"drafter 'heads': {reasons[0]}; pick another drafter")
+        if reasons:
+            skipped = f" (no draft head: {reasons[0]})"
     return _combine(sources, budget, full_trees, skipped)
 
 
@@ -136,17 +151,24 @@ def _heads_drafter(path: Path, weights: VocabWeights, budget: int, model_name: s
 def _eagle3_drafter(path: Path, weights: VocabWeights, budget: int, model_name: str | None, num_layers: int | None,
                     full_trees: bool):
     """``(EagleDrafter, None)`` for the EAGLE-3 folder ``treeattn train-heads --arch eagle3`` wrote at
-    ``path`` (its ``config.json`` names the model it was trained for), or ``(None, why not)``."""
+    ``path`` (its ``config.json`` names the model it was trained for; a folder that does not name one is
+    checked by its sizes only), or ``(None, why not)``."""
     if num_layers is None:
-        return None, (f"{path} is an EAGLE-3 head, which is checked against its target's decoder layers: "
-                      "give num_layers")
-    made_for = json.loads((path / "config.json").read_text()).get("treeattn", {}).get("model")
-    why = _made_for_another(made_for, model_name)
+        return None, "an EAGLE-3 head is checked against its target's decoder layers: give num_layers"
+    config = json.loads((path / "config.json").read_text())
+    metadata = config.get("treeattn") if isinstance(config, dict) else None
+    why = _made_for_another(metadata.get("model") if isinstance(metadata, dict) else None, model_name)
     if why is not None:
         return None, why
-    embed, lm_head = weights
-    head = load_draft_head(path, target=DraftTarget(embed.shape[1], embed.shape[0], num_layers, embed, lm_head),
-                           dtype=embed.dtype, device=embed.device)
+    try:
+        head = load_for_target(path, weights, num_layers)
+    except (OSError, ValueError) as exc:  # e.g. a head for another hidden size, or aux layers beyond the target's
+        return None, str(exc)
+    except Exception as exc:  # a damaged weights file fails in the safetensors reader's own ways
+        return None, f"not a readable checkpoint ({type(exc).__name__}: {exc})"
+    if not isinstance(head, Eagle3Head):
+        return None, (f"a {type(head).__name__}, not an EAGLE-3 head: a published head drafts as a draft_head "
+                      "(--draft-head)")
     return published_drafter(head, budget, full_trees=full_trees), None
 
 

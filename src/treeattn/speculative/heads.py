@@ -21,6 +21,7 @@ by cross-entropy and the target's states by a smooth L1 loss; ``HeadDrafter`` dr
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import time
@@ -53,6 +54,7 @@ __all__ = [
     "causal_hidden_states",
     "expand_frontier",
     "find_heads",
+    "usable_heads",
     "fit",
     "head_accuracy",
     "head_examples",
@@ -166,23 +168,37 @@ def load_heads(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
 
 
 def find_heads(*, eagle3: bool = True) -> Path | None:
-    """SmolLM2-135M's draft head, the first usable of: the user's own (``treeattn train-heads`` writes
-    them: the EAGLE-3 folder ``DEFAULT_EAGLE3``, then the head file ``DEFAULT_HEADS``), then the shipped
-    ones (``PACKAGED_EAGLE3``, ``PACKAGED_HEADS``); None if there is none. A head file is usable if it
-    loads (an older treeattn's Medusa heads do not), a folder if it holds an EAGLE-3 checkpoint's
-    ``config.json`` and ``model.safetensors``. ``eagle3=False`` passes over the folders (an EAGLE-3 head
-    needs its target's depth to be checked against it)."""
+    """SmolLM2-135M's draft head: the first of ``usable_heads(eagle3=)``, or None."""
+    return next(iter(usable_heads(eagle3=eagle3)), None)
+
+
+def usable_heads(*, eagle3: bool = True) -> list[Path]:
+    """SmolLM2-135M's draft heads that look usable, best first: the user's own (``treeattn train-heads``
+    writes them: the EAGLE-3 folder ``DEFAULT_EAGLE3``, then the head file ``DEFAULT_HEADS``), then the
+    shipped ones (``PACKAGED_EAGLE3``, ``PACKAGED_HEADS``). A head file counts if it loads (an older
+    treeattn's Medusa heads do not), a folder if its ``config.json`` is a JSON object and it holds
+    ``model.safetensors`` (whether it fits a target is the caller's check). ``eagle3=False`` passes
+    over the folders (an EAGLE-3 head needs its target's depth to be checked against it)."""
+    found = []
     for path in (DEFAULT_EAGLE3, DEFAULT_HEADS, PACKAGED_EAGLE3, PACKAGED_HEADS):
         if path.is_dir():
-            if eagle3 and (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-                return path
+            if eagle3 and _is_checkpoint_folder(path):
+                found.append(path)
         elif path.is_file():
             try:
                 load_heads(path)
             except ValueError:
                 continue
-            return path
-    return None
+            found.append(path)
+    return found
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (path / "model.safetensors").is_file()
 
 
 Drafted = list[tuple[int, int, float, float]]  # per node: (parent node, token, probability given the parent, path score)

@@ -70,8 +70,7 @@ import torch
 
 from ..speculative import Drafter, DraftTree, SamplingParams, verify_greedy, verify_sampling
 from ..speculative.adaptive import AdaptiveDrafter, LearningDrafter, StepGate, make_adaptive
-from ..speculative.checkpoints import DraftTarget, load_draft_head
-from ..speculative.choice import DRAFTERS, build_drafter, heads_file
+from ..speculative.choice import DRAFTERS, build_drafter, head_paths, load_for_target
 from ..speculative.features import FINAL, FeatureHistory, check_feature_layers, wanted_features
 from ..speculative.heads import VocabWeights
 from . import ENV_VAR, enabled
@@ -99,9 +98,11 @@ def tree_speculative_config(*, nodes: int = 16, drafter: Drafter | str = "ngram"
 
     ``nodes``: the most tree nodes per request and step, root included (vLLM reserves ``nodes - 1``
     draft slots per request). ``drafter``: a name, as ``treeattn demo --drafter`` takes it: ``ngram``
-    (the default), ``suffix``, ``heads`` (a trained EAGLE-style draft head, ``heads`` or the shipped
-    SmolLM2 one; it reads the target's hidden states, embeddings and LM head inside vLLM's worker,
-    and is checked to fit their sizes, not the model's name) or ``auto`` (suffix + head); ``draft_head``:
+    (the default), ``suffix``, ``heads`` (treeattn's draft head: ``heads``, a head file or an EAGLE-3
+    folder from ``treeattn train-heads``, else SmolLM2's default, ``find_heads()``; it reads the
+    target's hidden states, or an EAGLE-3 head its aux-layer states, and its embeddings and LM head
+    inside vLLM's worker, and is checked to fit their sizes and depth, not the model's name) or
+    ``auto`` (suffix + head); ``draft_head``:
     a published EAGLE-3, EAGLE-1/2 or Medusa checkpoint (``load_draft_head``) that drafts for ``heads``
     or ``auto`` in place of treeattn's head, fed vLLM's hidden states of the layers it reads; or any
     treeattn ``Drafter`` object, which must pickle (it reaches vLLM's worker processes through
@@ -162,9 +163,8 @@ class TreeOptions:
                 raise ValueError(f"draft_head: no such checkpoint folder or file {self.draft_head}")
             return DrafterByName(self.drafter, nodes, draft_head=self.draft_head, full_trees=not self.adaptive)
         if self.drafter in ("heads", "auto"):  # built where the target's weights are: vLLM's worker
-            path = heads_file(self.drafter, None if self.heads is None else Path(self.heads))
-            return DrafterByName(self.drafter, nodes, None if path is None else str(path),
-                                 full_trees=not self.adaptive)
+            head_paths(self.drafter, None if self.heads is None else Path(self.heads))  # none at all fails here
+            return DrafterByName(self.drafter, nodes, self.heads, full_trees=not self.adaptive)
         return build_drafter(self.drafter, None, nodes, full_trees=not self.adaptive)[0]
 
 
@@ -187,7 +187,7 @@ def tree_options(value, where: str = "") -> TreeOptions:
     if options.drafter not in DRAFTERS:
         raise ValueError(f"{prefix}drafter must be one of {', '.join(DRAFTERS)}, got {options.drafter!r}")
     if options.heads is not None and not isinstance(options.heads, str):
-        raise ValueError(f"{prefix}heads must be a file path or null, got {options.heads!r}")
+        raise ValueError(f"{prefix}heads must be a head file or EAGLE-3 folder path, or null, got {options.heads!r}")
     if options.draft_head is not None and not isinstance(options.draft_head, str):
         raise ValueError(f"{prefix}draft_head must be a checkpoint path or null, got {options.draft_head!r}")
     if not isinstance(options.adaptive, bool):
@@ -238,10 +238,8 @@ class DrafterByName:
         if self.draft_head is not None:
             if num_layers is None:
                 raise ValueError("a published draft head is checked against its target: give num_layers")
-            embed, head = weights
-            target = DraftTarget(embed.shape[1], embed.shape[0], num_layers, embed, head)
             try:
-                published = load_draft_head(self.draft_head, target=target, dtype=embed.dtype, device=embed.device)
+                published = load_for_target(self.draft_head, weights, num_layers)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"draft_head {self.draft_head}: {exc}") from exc
         drafter, described = build_drafter(self.kind, None if published is not None else weights, self.nodes,
