@@ -281,8 +281,8 @@ def smollm2_runs(smollm2, smollm2_jobs, tmp_path_factory) -> dict[str, dict]:
                                      "prompt_lookup_min": 1}}
     runs = {name: run_engine(tmp, smollm2, smollm2_jobs, treeattn=name == "treeattn", **engine)
             for name in ("cpu_attn", "treeattn")}
-    # treeattn's trees in place of vLLM's chains, from "auto": the suffix drafter and the shipped draft
-    # head, which reads vLLM's hidden states, embeddings and LM head
+    # treeattn's trees in place of vLLM's chains, from "auto": the suffix drafter and the shipped EAGLE-3
+    # head, which reads vLLM's aux-layer hidden states, embeddings and LM head
     del engine["speculative_config"]
     runs["treeattn-tree"] = run_engine(tmp, smollm2, smollm2_jobs, treeattn=True, tree={"nodes": 8, "drafter": "auto"},
                                        **engine)
@@ -299,7 +299,7 @@ def test_smollm2_tokens_match_cpu_attn(smollm2_runs, smollm2_jobs, job, run):
 
 
 def test_auto_builds_the_draft_head_inside_vllm(smollm2_runs):
-    assert "SuffixDrafter + HeadDrafter, adaptive trees of up to 8 nodes" in smollm2_runs["treeattn-tree"]["log"]
+    assert "SuffixDrafter + EagleDrafter, adaptive trees of up to 8 nodes" in smollm2_runs["treeattn-tree"]["log"]
 
 
 def test_ngram_drafts_were_verified_and_accepted(smollm2_runs):

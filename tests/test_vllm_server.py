@@ -2,7 +2,7 @@
 
 Two servers on 127.0.0.1 for the whole module (SmolLM2 float32, as vLLM users run it): plain vLLM
 and ``TREEATTN_VLLM=1`` with ``--speculative-config`` naming ``TreeProposer`` and the drafter by name
-in ``--additional-config`` (``auto``: suffix + the shipped draft head). Greedy texts must be equal,
+in ``--additional-config`` (``auto``: suffix + the shipped EAGLE-3 draft head). Greedy texts must be equal,
 for completions and chat completions, streamed or not, alone or 16 at once with some clients gone
 mid-stream; the tree server must free every KV block and keep serving. Two more starts check that a
 bad configuration stops the server with the field named. Budget: ~5 min on 2 cores (four server
@@ -98,7 +98,7 @@ def test_trees_were_verified_and_accepted(urls, model):
     values = _drained(urls["trees"])
     assert metric(values, "vllm:spec_decode_num_drafts_total") > 0
     assert metric(values, "vllm:spec_decode_num_accepted_tokens_total") > 0
-    assert "SuffixDrafter + HeadDrafter, adaptive trees of up to 16 nodes" in urls["log"].read_text()
+    assert "SuffixDrafter + EagleDrafter, adaptive trees of up to 16 nodes" in urls["log"].read_text()
 
 
 def test_a_client_gone_mid_stream_is_aborted_and_later_requests_are_unaffected(urls, model):
