@@ -53,7 +53,7 @@ GROUPS = {"built-in": list(BUILTIN_PROMPTS), "no lookup": list(NO_LOOKUP)}
 METHODS = ("greedy", "ngram full", "ngram", "suffix", "heads", "auto")
 
 
-def make(method: str, model, budget: int, draft_head=None):
+def make(method: str, model, budget: int, head_file=None, draft_head=None):
     if method == "greedy":
         return None
     if method == "ngram full":
@@ -62,7 +62,7 @@ def make(method: str, model, budget: int, draft_head=None):
         drafter, _ = build_drafter("heads" if method == "eagle" else "auto", None, budget, draft_head=draft_head)
     else:  # heads and auto: treeattn's head file, not an EAGLE-3 head
         drafter, _ = build_drafter(method, model.vocab_weights(), budget, model_name=MODEL_NAME,
-                                   heads=find_heads(eagle3=False) if method in ("heads", "auto") else None)
+                                   heads=head_file if method in ("heads", "auto") else None)
     probe_cost(model, drafter.cost)  # as the demo does: the cost model starts from timed forwards
     return drafter
 
@@ -81,7 +81,8 @@ def main() -> int:
     threads, why = pick_threads(args.threads)
     torch.set_num_threads(threads)
     model, tokenizer = load_smollm2()
-    methods = [m for m in METHODS if m not in ("heads", "auto") or find_heads(eagle3=False) is not None]
+    head_file = find_heads(eagle3=False)  # treeattn's head file: what heads and auto measure
+    methods = [m for m in METHODS if m not in ("heads", "auto") or head_file is not None]
     if len(methods) < len(METHODS):
         print("no draft head file found (treeattn train-heads): heads and auto are left out", file=sys.stderr)
     own = find_heads()  # treeattn's EAGLE-3 head where there is one (a folder), else its head file
@@ -96,7 +97,7 @@ def main() -> int:
     runs = []
     started = time.perf_counter()
     for rep in range(args.reps):
-        drafters = {m: make(m, model, args.tree_budget, draft_head) for m in methods}
+        drafters = {m: make(m, model, args.tree_budget, head_file, draft_head) for m in methods}
         for p, (name, prompt) in enumerate(ids.items()):
             order = methods[p % len(methods):] + methods[:p % len(methods)]  # rotate: no method always first
             results = {}
@@ -119,7 +120,7 @@ def main() -> int:
     record = {"model": MODEL_NAME, "dtype": "float32", "threads": threads, "why_threads": why.strip(),
               "max_tokens": args.max_tokens, "tree_budget": args.tree_budget, "reps": args.reps,
               "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}",
-              "torch": torch.__version__, "heads": None if find_heads(eagle3=False) is None else str(find_heads(eagle3=False)),
+              "torch": torch.__version__, "heads": None if head_file is None else str(head_file),
               "draft_head": None if args.draft_head is None else str(args.draft_head),
               "eagle_head": None if eagle3 is None else str(eagle3), "summary": summary, "runs": runs,
               "load_range": [min(r["load"] for r in runs), max(r["load"] for r in runs)]}
