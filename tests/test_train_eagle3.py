@@ -262,45 +262,53 @@ def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch
 
 
 def test_train_heads_eagle3_resumes_without_recomputing_the_features(tiny, tmp_path, monkeypatch):
-    """The target's features are kept beside the checkpoint: a run stopped in training resumes from them
-    (mapped, not recomputed) and writes the head an uninterrupted run writes; features kept in another
-    dtype are computed again; a finished run removes the file with the checkpoint."""
+    """The target's features are kept beside the checkpoint, a file per chunk of answers: a run stopped
+    in the feature stage resumes after its last chunk, one stopped in training resumes from them
+    (mapped, not recomputed), and either writes the head an uninterrupted run writes; features kept in
+    another dtype are computed again; a finished run removes the folder and keeps the checkpoint."""
     from treeattn.cli import build_parser
     from treeattn.cli import train_eagle3 as stage
     from treeattn.cli import train_heads as cli
 
     monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
-    computed = []
-    real_examples, real_train = stage.eagle_train.eagle3_examples, stage.eagle_train.train_eagle3
+    monkeypatch.setattr(stage, "FEATURES_CHUNK", 2)
+    computed = []  # the answers whose features were computed, in order
+    real_sequence, real_train = stage.eagle_train.eagle3_sequence, stage.eagle_train.train_eagle3
+    budget = [None]  # answers the feature stage computes before it is interrupted (None: all)
 
-    def counting(model, prompts, *args, **kwargs):
-        computed.append(len(prompts))
-        return real_examples(model, prompts, *args, **kwargs)
+    def counting(model, prompt, answer, *args, **kwargs):
+        if budget[0] is not None and len(computed) == budget[0]:
+            raise KeyboardInterrupt
+        computed.append(len(prompt))
+        return real_sequence(model, prompt, answer, *args, **kwargs)
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(stage.eagle_train, "eagle3_examples", counting)
+    monkeypatch.setattr(stage.eagle_train, "eagle3_sequence", counting)
     (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
     argv = ["train-heads", "--arch", "eagle3", "--prompts", str(tmp_path / "prompts.txt"), "--max-tokens", "6",
             "--epochs", "2", "--batch", "2", "--threads", "1", "--depth", "2", "--vocab", "20", "--aux-layers", "0,1,2"]
 
-    def run(out: str, *extra: str, interrupt: bool = False) -> list[int]:
+    def run(out: str, *extra: str, interrupt: bool = False, after: int | None = None) -> int:
         computed.clear()
+        budget[0] = after
         monkeypatch.setattr(stage.eagle_train, "train_eagle3", stop if interrupt else real_train)
         args = build_parser().parse_args([*argv, "--out", str(tmp_path / out), *extra])
-        if interrupt:
+        if interrupt or after is not None:
             with pytest.raises(KeyboardInterrupt):
                 args.run(args)
         else:
             assert args.run(args) == 0
-        return list(computed)
+        return len(computed)
 
-    assert run("fresh", "--bf16") == [3, 1]  # 3 training prompts, 1 held out
-    assert run("e3", "--bf16", interrupt=True) == [3, 1] and (tmp_path / "e3.features.pt").is_file()
-    assert run("e3", "--bf16") == []
-    assert not (tmp_path / "e3.features.pt").exists() and (tmp_path / "e3.ckpt").exists()
+    assert run("fresh", "--bf16") == 4  # 3 training prompts, 1 held out
+    assert run("e3", "--bf16", after=2) == 2  # chunks of 2 answers: the first is written, then the stop
+    assert sorted(p.name for p in (tmp_path / "e3.features").glob("*.pt")) == ["train-0000000.pt"]
+    assert run("e3", "--bf16", interrupt=True) == 2  # the second chunk (1 answer) and the held-out one
+    assert run("e3", "--bf16") == 0
+    assert not (tmp_path / "e3.features").exists() and (tmp_path / "e3.ckpt").exists()
     assert (tmp_path / "e3" / "model.safetensors").read_bytes() == (tmp_path / "fresh" / "model.safetensors").read_bytes()
-    assert run("other", "--bf16", interrupt=True) == [3, 1]
-    assert run("other", "--bf16", "--aux-layers", "2,1,0", interrupt=True) == []  # the same boundaries
-    assert run("other", interrupt=True) == [3, 1]  # float32 features
+    assert run("other", "--bf16", interrupt=True) == 4
+    assert run("other", "--bf16", "--aux-layers", "2,1,0", interrupt=True) == 0  # the same boundaries
+    assert run("other", interrupt=True) == 4  # float32 features

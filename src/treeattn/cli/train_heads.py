@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,8 +79,9 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="prompts generated together (default 16)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="checkpoint file (default: OUT with suffix .ckpt); --arch eagle3 keeps the target's "
-                             "features beside it (suffix .features.pt). When training ends the features go and the "
-                             "checkpoint keeps only the answers, for later runs (other training settings, more "
+                             "features beside it (a folder with suffix .features, written as the stage goes). When "
+                             "training ends the features go and the checkpoint keeps only the answers, for later runs "
+                             "(other training settings, more "
                              "--samples); delete it to write them again")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the demo)")
     parser.add_argument("--bf16", action="store_true",
@@ -213,11 +215,11 @@ def main_train_heads(args: argparse.Namespace) -> int:
             sampled = answers("sampled answers", "sampled", again, SamplingParams(args.temperature))
             train = (train[0] + again, train[1] + sampled)
         if args.arch == "eagle3":
-            features = ckpt_path.with_suffix(".features.pt")
+            features = ckpt_path.with_suffix(".features")
             code = run_eagle3(args, model, train, held, aux, resume, bar, started, MODEL_NAME, features)
             if code == 0:
                 keep_answers()
-                features.unlink(missing_ok=True)
+                shutil.rmtree(features, ignore_errors=True)
             return code
         task = bar.add_task("hidden states", total=len(train[0]), info="")
         try:

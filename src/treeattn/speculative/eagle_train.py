@@ -40,7 +40,7 @@ from .eagle import Eagle3Head, HeadConfig, _rope, _rotate, default_aux_layers
 from .features import FINAL
 from .heads import Progress, TrainState, causal_hidden_states, fit
 
-__all__ = ["STEP_WEIGHT", "Eagle3Data", "eagle3_accuracy", "eagle3_examples", "eagle3_loss", "new_eagle3_head",
+__all__ = ["STEP_WEIGHT", "Eagle3Data", "eagle3_accuracy", "eagle3_examples", "eagle3_loss", "eagle3_sequence", "new_eagle3_head",
            "save_eagle3", "train_eagle3", "ttt_forward"]
 
 STEP_WEIGHT = 0.8  # EAGLE-3's per-step loss weight: step s counts 0.8 ** (s - 1)
@@ -107,32 +107,37 @@ class Eagle3Data:
 def eagle3_examples(model, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                     aux_layers: Sequence[int], progress: Progress | None = None,
                     dtype: torch.dtype = torch.float32) -> Eagle3Data:
-    """``Eagle3Data`` of ``model``'s answers ``outputs`` to ``prompts`` (one causal forward each, a
-    ``TreeModel`` that returns ``feature_layers``, e.g. ``treeattn.hf.HFTreeModel``), with the final
-    hidden states (for a teacher). The features are kept in ``dtype``: ``torch.bfloat16`` takes 3.5 KB a
-    position for SmolLM2 instead of 6.9 (some GB for a few thousand answers) and loses nothing where the
-    head's GEMMs round them to bfloat16 anyway (``train_eagle3``'s ``autocast``). The final states stay
-    float32: the teacher's distributions are computed from them in float32."""
+    """``Eagle3Data`` of ``model``'s answers ``outputs`` to ``prompts`` (``eagle3_sequence`` each)."""
     if len(prompts) != len(outputs):
         raise ValueError(f"prompts and outputs must pair up, got {len(prompts)} and {len(outputs)}")
-    tokens, features, first, final = [], [], [], []
-    layers = (*sorted(aux_layers), FINAL)
+    rows = []
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{i}] is empty: an answer needs the prompt token that predicted it")
-        if len(out) >= 2:  # a step-1 row guesses two tokens ahead: a shorter answer teaches nothing
-            seq = list(prompt) + list(out)
-            tokens.append(torch.tensor(seq))
-            states = causal_hidden_states(model, seq[:-1], layers)
-            hidden = states.shape[1] // len(layers)
-            features.append(states[:, :-hidden].to(dtype).contiguous())
-            final.append(states[:, -hidden:].contiguous())
-            first.append(len(prompt))
+        rows.append(eagle3_sequence(model, prompt, out, aux_layers, dtype))
         if progress is not None:
             progress(i + 1, len(prompts), "")
-    if not tokens:
+    rows = [r for r in rows if r is not None]
+    if not rows:
         raise ValueError("no answer has two tokens or more: nothing to train on")
-    return Eagle3Data(tokens, features, first, final)
+    return Eagle3Data(*(list(field) for field in zip(*rows)))
+
+
+def eagle3_sequence(model, prompt: Sequence[int], answer: Sequence[int], aux_layers: Sequence[int],
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None:
+    """One sequence's ``Eagle3Data`` fields ``(tokens, features, first, final)``: one causal forward of
+    ``model`` (a ``TreeModel`` that returns ``feature_layers``, e.g. ``treeattn.hf.HFTreeModel``) along
+    ``prompt + answer``; None for an answer under two tokens (a step-1 row guesses two tokens ahead: it
+    teaches nothing). The features are kept in ``dtype``: ``torch.bfloat16`` takes 3.5 KB a position
+    for SmolLM2 instead of 6.9 (some GB for a few thousand answers) and loses nothing where the head's
+    GEMMs round them to bfloat16 anyway (``train_eagle3``'s ``autocast``). The final hidden states (for
+    a teacher) stay float32: the teacher's distributions are computed from them in float32."""
+    if len(answer) < 2:
+        return None
+    seq = list(prompt) + list(answer)
+    states = causal_hidden_states(model, seq[:-1], (*sorted(aux_layers), FINAL))
+    hidden = states.shape[1] // (len(aux_layers) + 1)
+    return torch.tensor(seq), states[:, :-hidden].to(dtype).contiguous(), len(prompt), states[:, -hidden:].contiguous()
 
 
 def _rope_fields(config) -> tuple[float, dict | None]:
