@@ -51,11 +51,11 @@ def tiny_hf(kind: str = "llama", seed: int = 0):
     return model.eval()
 
 
-def tiny_model(kind: str = "llama", seed: int = 0):
-    """``treeattn.hf.HFTreeModel`` of ``tiny_hf(kind, seed)``."""
+def tiny_model(kind: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32):
+    """``treeattn.hf.HFTreeModel`` of ``tiny_hf(kind, seed)`` in ``dtype``."""
     from treeattn.hf import HFTreeModel
 
-    return HFTreeModel(tiny_hf(kind, seed))
+    return HFTreeModel(tiny_hf(kind, seed).to(dtype))
 
 
 def make_prompts(seed: int, count: int) -> list[list[int]]:

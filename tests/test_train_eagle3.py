@@ -225,7 +225,13 @@ def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch
     from treeattn.cli import build_parser
     from treeattn.cli import train_heads as cli
 
-    monkeypatch.setattr(cli, "load_smollm2", lambda: (tiny, CharTokenizer()))
+    loaded = []  # the dtypes the command loads the model in
+
+    def load(dtype=torch.float32):
+        loaded.append(dtype)
+        return (tiny if dtype == torch.float32 else tiny_model("llama", dtype=dtype)), CharTokenizer()
+
+    monkeypatch.setattr(cli, "load_smollm2", load)
     (tmp_path / "prompts.txt").write_text("abcabcabc\nhello hello\nxyzxyz\nthe cat sat\n")
     argv = ["train-heads", "--arch", "eagle3", "--prompts", str(tmp_path / "prompts.txt"), "--out",
             str(tmp_path / "e3"), "--max-tokens", "6", "--epochs", "2", "--batch", "2", "--threads", "1",
@@ -239,9 +245,17 @@ def test_train_heads_command_writes_an_eagle3_folder(tiny, tmp_path, monkeypatch
     assert torch.load(tmp_path / "e3.ckpt", weights_only=True)["heads"] is None  # training done: the answers stay
     assert "draft step" in capsys.readouterr().out
     # --samples 3: two sampled answers more per training prompt (3 of the 4 prompts; the 4th is held out)
+    # --bf16: the sampled answers are written by the model in bfloat16, the greedy ones (read from the
+    # checkpoint here) by the float32 model
     args = build_parser().parse_args([*argv, "--aux-layers", "2,0,1", "--samples", "3", "--out", str(tmp_path / "s3"),
                                       "--bf16"])
+    loaded.clear()
     assert args.run(args) == 0
+    assert loaded == [torch.float32, torch.bfloat16]
+    sampled = torch.load(tmp_path / "s3.ckpt", weights_only=True)["sampled"]
+    assert len(sampled) == 6 and all(0 < len(answer) <= 6 for answer in sampled)
+    loaded.clear()
+    assert args.run(args) == 0 and loaded == [torch.float32]  # every answer is written: no bfloat16 copy
     meta = json.loads((tmp_path / "s3" / "config.json").read_text())["treeattn"]
     assert meta["prompts"] == 4 and meta["held_out"] == 1 and meta["samples"] == 3 and meta["bf16"] is True
     assert "trained on 9 answers" in capsys.readouterr().out
