@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,12 +62,11 @@ def examples(model, model_name: str, train: tuple[list, list], held: tuple[list,
     resumed training run skips it, and the files are mapped rather than read into memory. A folder
     that holds another model's, answers', layers' or dtype's features is emptied first."""
     key = hashlib.sha256(json.dumps([FEATURES_FORMAT, model_name, train, held, list(aux), str(dtype)]).encode()).hexdigest()
-    saved.mkdir(parents=True, exist_ok=True)
     stamp = saved / "key"
-    if not stamp.is_file() or stamp.read_text() != key:
-        for stale in saved.glob("*.pt"):
-            stale.unlink()
-        stamp.write_text(key)
+    if saved.is_dir() and not (stamp.is_file() and stamp.read_text() == key):
+        shutil.rmtree(saved)  # another run's features (and any file an interrupt left half written)
+    saved.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(key)
     starts = range(0, len(train[0]), FEATURES_CHUNK)
     parts = [(f"train-{start:07d}", train[0][start:start + FEATURES_CHUNK], train[1][start:start + FEATURES_CHUNK])
              for start in starts] + [("held", *held)]
