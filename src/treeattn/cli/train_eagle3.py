@@ -51,7 +51,7 @@ Resume = Callable[[torch.nn.Module], tuple[TrainState, Callable[[TrainState], No
 
 
 FEATURES_FORMAT = 3  # what examples keeps (3: a folder of chunks; features in the dtype asked, final states float32)
-FEATURES_CHUNK = 256  # answers per file of the features folder (about 2 min of the stage on 2 cores)
+FEATURES_CHUNK = 256  # answers per file of the features folder (about a minute of the stage on 2 cores)
 
 
 def examples(model, model_name: str, train: tuple[list, list], held: tuple[list, list], aux: tuple[int, ...],

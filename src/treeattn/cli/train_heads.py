@@ -85,8 +85,8 @@ def add_train_heads_arguments(parser: argparse.ArgumentParser) -> None:
                              "--samples); delete it to write them again")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as the demo)")
     parser.add_argument("--bf16", action="store_true",
-                        help="--arch eagle3: sample the answers of --samples with the model in bfloat16 (1.8x as "
-                             "fast) and train with bfloat16 autocast (weights, optimizer and loss stay float32; 1.6x "
+                        help="--arch eagle3: sample the answers of --samples with the model in bfloat16 (1.5-1.8x "
+                             "as fast) and train with bfloat16 autocast (weights, optimizer and loss stay float32; 1.6x "
                              "as fast), on a Zen 4 with AVX512-BF16; slower on CPUs without bfloat16 units")
 
 
@@ -216,13 +216,13 @@ def main_train_heads(args: argparse.Namespace) -> int:
             again = train[0] * (args.samples - 1)
             writer = model
             if args.bf16 and len(ckpt["sampled"]) < len(again):
-                # Sampled in bfloat16 (1.8x as fast on a Zen 4): the model's distribution up to rounding, far
+                # Sampled in bfloat16 (1.5-1.8x as fast on a Zen 4): the model's distribution up to rounding, far
                 # below the sampling's own noise. The greedy answers, which the held-out accuracy is
                 # measured against, are the float32 model's.
                 with console.status(f"loading {MODEL_NAME} in bfloat16 to sample..."):
                     writer = load_smollm2(dtype=torch.bfloat16)[0]
             sampled = answers("sampled answers", "sampled", again, SamplingParams(args.temperature), writer)
-            del writer
+            del writer  # the bfloat16 copy's memory, before the features
             train = (train[0] + again, train[1] + sampled)
         if args.arch == "eagle3":
             features = ckpt_path.with_suffix(".features")

@@ -386,7 +386,7 @@ def causal_hidden_states(model, tokens: Sequence[int], feature_layers: Sequence 
         if feature_layers is None:
             hidden = model.forward(cache, [0], ids, [ids.numel()]).hidden
         else:
-            # The LM head on one row only, not on all (its logits are not wanted: a fifth of SmolLM2's forward).
+            # The LM head on one row, not all: its logits are not wanted (9% of a SmolLM2 answer's forward).
             last = torch.tensor([ids.numel() - 1])
             hidden = model.forward(cache, [0], ids, [ids.numel()], logits_rows=last, feature_layers=feature_layers).features
     return hidden.clone()  # outside inference mode: a normal tensor that training can use
