@@ -230,7 +230,7 @@ def test_training_resumes_where_it_stopped(tiny):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_heads(resumed, weights, data, epochs=3, batch_rows=32, on_epoch=interrupt)
+        train_heads(resumed, weights, data, epochs=3, batch_rows=32, on_checkpoint=interrupt)
     assert saved[-1].epoch == 1
     train_heads(resumed, weights, data, epochs=3, batch_rows=32, state=saved[-1])
     for a, b in zip(full.parameters(), resumed.parameters()):

@@ -147,7 +147,10 @@ def test_sampled_answers_vary_and_resume_identically(tiny, answers):
     assert full[:6] != full[6:] and full[:6] != [g[:12] for g in greedy]
 
 
-def test_resume_is_bit_identical(tiny, answers, data):
+@pytest.mark.parametrize("within_epoch", [False, True])
+def test_resume_is_bit_identical(tiny, answers, data, within_epoch):
+    """A run stopped at a checkpoint (after an epoch, or within one: ``checkpoint_s=0`` checkpoints
+    after every batch) and resumed from it ends with the weights of an uninterrupted run."""
     train = data[0]
     full = fresh_head(tiny, answers)
     resumed = copy.deepcopy(full)
@@ -156,12 +159,14 @@ def test_resume_is_bit_identical(tiny, answers, data):
 
     def interrupt(state):
         saved.append((copy.deepcopy(state), copy.deepcopy(resumed.state_dict())))
-        raise KeyboardInterrupt
+        if not within_epoch or len(saved) == 3:  # 16 sequences, 8 a batch: the 3rd checkpoint is within epoch 2
+            raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_eagle3(resumed, train, steps=2, epochs=3, batch_size=8, on_epoch=interrupt)
+        train_eagle3(resumed, train, steps=2, epochs=3, batch_size=8, on_checkpoint=interrupt,
+                     checkpoint_s=0.0 if within_epoch else 600.0)
     state, weights = saved[-1]
-    assert state.epoch == 1
+    assert (state.epoch, state.batch) == ((1, 1) if within_epoch else (1, 0))
     restarted = fresh_head(tiny, answers, seed=5)  # another init: everything must come from the checkpoint
     restarted.load_state_dict(weights)
     train_eagle3(restarted, train, steps=2, epochs=3, batch_size=8, state=state)

@@ -101,7 +101,7 @@ def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: 
                resume: Resume, bar: Progress, started: float, model_name: str, features: Path) -> int:
     """Train and write the head from the model's answers ``train`` (``(prompts, answers)``) and report its
     accuracy on ``held`` (held-out prompts and greedy answers); ``resume(head)`` loads a checkpoint into
-    the head and gives its ``TrainState`` and the per-epoch checkpointer; ``features``: the file that
+    the head and gives its ``TrainState`` and its checkpointer; ``features``: the folder that
     keeps the target's features for a resumed run."""
     console, err = bar.console, Console(stderr=True)
     held_out = len(held[0])
@@ -114,10 +114,10 @@ def run_eagle3(args: argparse.Namespace, model, train: tuple[list, list], held: 
     vocab = shortlist(train[1], model.config.vocab_size, args.vocab)
     head = eagle_train.new_eagle3_head(model, vocab, aux)
     teacher = model.vocab_weights()[1]  # EAGLE-3's loss: the target's distributions, not only its tokens
-    state, on_epoch = resume(head)
+    state, on_checkpoint = resume(head)
     task = bar.add_task("training", total=None, info="")
     eagle_train.train_eagle3(head, data, steps=args.depth, epochs=args.epochs, lr=args.lr, state=state,
-                             on_epoch=on_epoch, teacher=teacher, autocast=torch.bfloat16 if args.bf16 else None,
+                             on_checkpoint=on_checkpoint, teacher=teacher, autocast=torch.bfloat16 if args.bf16 else None,
                              progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
     top1 = eagle_train.eagle3_accuracy(head, held, steps=args.depth)
     loss = eagle_train.eagle3_loss(head, held, steps=args.depth, teacher=teacher)

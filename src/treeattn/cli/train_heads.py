@@ -6,7 +6,7 @@ command; a rerun with other settings or more ``--samples`` keeps the answers alr
 after a finished run): the model writes
 greedy answers to the shipped prompts (``speculative/data/prompts.txt``) and, with ``--samples N``,
 ``N - 1`` sampled answers more to each training prompt; its hidden states along those answers become
-the training data, then the head is trained (one checkpoint per epoch).
+the training data, then the head is trained (checkpointed after each epoch and every 10 minutes).
 The last tenth of the prompts is held out (their greedy answers) to report the accuracy of each
 draft step. ``--arch eagle3`` trains an EAGLE-3 head instead (``train_eagle3``), written as an EAGLE-3
 checkpoint folder.
@@ -159,7 +159,8 @@ def main_train_heads(args: argparse.Namespace) -> int:
                 ckpt["heads"], ckpt["train"] = saved["heads"], saved["train"]
             console.print(f"resuming from {ckpt_path}: {len(ckpt['outputs'])}/{len(prompts)} answers, "
                           f"{len(ckpt['sampled'])} sampled, "
-                          f"{(ckpt['train'] or {}).get('epoch', 0)}/{args.epochs} epochs")
+                          f"{(ckpt['train'] or {}).get('epoch', 0)}/{args.epochs} epochs"
+                          + (f" and {ckpt['train']['batch']} batches" if (ckpt["train"] or {}).get("batch") else ""))
         else:
             console.print(f"[yellow]{ckpt_path} holds answers to other prompts: starting over[/yellow]")
     ckpt_path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,18 +178,18 @@ def main_train_heads(args: argparse.Namespace) -> int:
                       "write them again)")
 
     def resume(head: torch.nn.Module) -> tuple[TrainState, Callable[[TrainState], None]]:
-        """The training state saved with ``head``'s weights (loaded into it), and what checkpoints an epoch."""
+        """The training state saved with ``head``'s weights (loaded into it), and what checkpoints it."""
         state = TrainState()
         if ckpt["heads"] is not None:
             head.load_state_dict(ckpt["heads"])
             state = TrainState(**ckpt["train"])
 
-        def on_epoch(s: TrainState) -> None:
+        def on_checkpoint(s: TrainState) -> None:
             ckpt["heads"] = head.state_dict()
-            ckpt["train"] = {"epoch": s.epoch, "losses": s.losses, "optimizer": s.optimizer}
+            ckpt["train"] = {"epoch": s.epoch, "batch": s.batch, "losses": s.losses, "optimizer": s.optimizer}
             save()
 
-        return state, on_epoch
+        return state, on_checkpoint
 
     console.print(f"[bold]{MODEL_NAME}[/bold], {threads} thread{'s' if threads != 1 else ''}{why}: {len(prompts)} prompts, "
                   f"{args.max_tokens} tokens each, a {args.depth}-step draft head")
@@ -242,9 +243,9 @@ def main_train_heads(args: argparse.Namespace) -> int:
         weights = model.vocab_weights()
         vocab = shortlist(train[1], weights[1].shape[0], args.vocab)
         heads = DraftHeads(model.config.hidden_size, vocab, depth=args.depth)
-        state, on_epoch = resume(heads)
+        state, on_checkpoint = resume(heads)
         task = bar.add_task("training", total=None, info="")
-        train_heads(heads, weights, data, epochs=args.epochs, lr=args.lr, state=state, on_epoch=on_epoch,
+        train_heads(heads, weights, data, epochs=args.epochs, lr=args.lr, state=state, on_checkpoint=on_checkpoint,
                     progress=lambda d, t, info: bar.update(task, completed=d, total=t, info=info))
 
     top1 = head_accuracy(heads, weights, held, top_k=1)

@@ -285,7 +285,7 @@ def _batch_loss(head: Eagle3Head, data: Eagle3Data, index: Sequence[int], vocab_
 
 def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: int = 4, batch_size: int = 8,
                  lr: float = 1e-3, seed: int = 0, state: TrainState | None = None, progress: Progress | None = None,
-                 on_epoch: Callable[[TrainState], None] | None = None,
+                 on_checkpoint: Callable[[TrainState], None] | None = None, checkpoint_s: float = 600.0,
                  teacher: torch.Tensor | None = None, autocast: torch.dtype | None = None) -> TrainState:
     """Fit ``head`` to ``data`` with the training-time test over ``steps`` draft steps (AdamW, cosine
     decay; embeddings frozen), ``batch_size`` sequences per update. ``teacher``: the target's LM head
@@ -295,8 +295,9 @@ def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: 
     as fast, with the same held-out loss on a small set (21.31 against 21.32); don't wrap the call in an
     autocast context of your own (its weight-cast cache would keep the first step's weights).
 
-    Resumes from ``state`` (epochs done are skipped; shuffles are seeded per epoch, so a resumed run
-    sees the same batches and ends bit-identical); ``on_epoch(state)`` after each epoch (to checkpoint).
+    Resumes from ``state`` at the batch where it stopped (shuffles are seeded per epoch, so a resumed
+    run sees the same batches and ends bit-identical); ``on_checkpoint(state)`` after each epoch and
+    every ``checkpoint_s`` seconds within one (``heads.fit``).
     """
     if not isinstance(data, Eagle3Data):
         raise TypeError(f"data must be Eagle3Data (from eagle3_examples), got {type(data).__name__}")
@@ -312,7 +313,8 @@ def train_eagle3(head: Eagle3Head, data: Eagle3Data, *, steps: int = 4, epochs: 
     head.train()
     state = fit([p for p in head.parameters() if p.requires_grad], len(data),
                 lambda index: _batch_loss(head, data, index.tolist(), vocab_index, steps, rows, autocast), epochs=epochs,
-                batch=batch_size, lr=lr, seed=seed, state=state, progress=progress, on_epoch=on_epoch)
+                batch=batch_size, lr=lr, seed=seed, state=state, progress=progress, on_checkpoint=on_checkpoint,
+                checkpoint_s=checkpoint_s)
     head.eval()
     return state
 
