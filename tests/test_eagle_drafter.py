@@ -103,7 +103,9 @@ def test_the_drafter_runs_a_packed_copy_of_the_head(heads, kind, dtype):
     assert {p.dtype for name, p in clone.named_parameters() if not name.startswith(shared)} == {want}
     assert not any(p.requires_grad for name, p in clone.named_parameters() if not name.startswith(shared))
     if dtype is None and torch.backends.mkldnn.is_available():
-        assert isinstance(clone.fc, PackedLinear) and isinstance(clone.layers[0].mlp.down_proj, PackedLinear)
+        layer = clone.layers[0]  # fused too: q/k/v and gate/up in one product each
+        assert all(isinstance(linear, PackedLinear) for linear in (clone.fc, layer.self_attn.qkv_proj,
+                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))
     assert type(head.fc) is torch.nn.Linear and head.compute_dtype == torch.float32
     assert all(torch.equal(before[name], t) for name, t in head.state_dict().items())
 

@@ -8,6 +8,7 @@ each engine's format with random weights and loaded back.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -174,6 +175,15 @@ def run(head, feats, ctx_tokens, tree_hidden, tree_tokens, parents, ctx_chunks, 
 TREE = [-1, -1, 0, 0, 1, 2, 2, 4]  # two first-level nodes, depth 3
 
 
+def _and_fused(head):
+    """``head`` and a copy with its projections fused (what drafting runs), which drops q/k/v and gate/up."""
+    fused = copy.deepcopy(head)
+    fused.fuse_projections()
+    names = {name.split(".")[-2] for name in fused.state_dict() if name.startswith("layers.0.")}
+    assert {"qkv_proj", "gate_up_proj"} <= names and not names & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+    return head, fused
+
+
 @pytest.mark.parametrize("variant", [
     {},
     {"norm_before_residual": True},
@@ -185,22 +195,24 @@ TREE = [-1, -1, 0, 0, 1, 2, 2, 4]  # two first-level nodes, depth 3
 def test_eagle3_prefix_then_tree_matches_reference(variant):
     head = eagle3(seed=3, **variant)
     feats, toks, th, tt = inputs(head, 11, len(TREE), seed=4)
-    hidden, logits, cache = run(head, feats, toks, th, tt, TREE, ctx_chunks=[6, 1, 4], tree_chunks=[2, 2, 4])
     ref_hidden, ref_logits = ref_eagle3(head, feats.double(), toks, th.double(), tt, TREE)
-    torch.testing.assert_close(hidden.double(), ref_hidden, **TOL)
-    torch.testing.assert_close(logits.double(), ref_logits, **TOL)
-    assert cache.seq_len("s") == 11 and cache.tree_parents("s").tolist() == TREE
+    for each in _and_fused(head):
+        hidden, logits, cache = run(each, feats, toks, th, tt, TREE, ctx_chunks=[6, 1, 4], tree_chunks=[2, 2, 4])
+        torch.testing.assert_close(hidden.double(), ref_hidden, **TOL)
+        torch.testing.assert_close(logits.double(), ref_logits, **TOL)
+        assert cache.seq_len("s") == 11 and cache.tree_parents("s").tolist() == TREE
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_eagle1_prefix_then_tree_matches_reference(qkv_bias):
     head = eagle1(seed=5, qkv_bias=qkv_bias)
     feats, toks, th, tt = inputs(head, 9, len(TREE), seed=6)
-    hidden, logits, _ = run(head, feats, toks, th, tt, TREE, ctx_chunks=[9], tree_chunks=[2, 3, 3])
     ref_hidden, ref_logits = ref_eagle1(head, feats.double(), toks, th.double(), tt, TREE)
-    torch.testing.assert_close(hidden.double(), ref_hidden, **TOL)
-    torch.testing.assert_close(logits.double(), ref_logits, **TOL)
     assert "input_layernorm" not in " ".join(head.state_dict())  # EAGLE-1's layer 0 has none
+    for each in _and_fused(head):
+        hidden, logits, _ = run(each, feats, toks, th, tt, TREE, ctx_chunks=[9], tree_chunks=[2, 3, 3])
+        torch.testing.assert_close(hidden.double(), ref_hidden, **TOL)
+        torch.testing.assert_close(logits.double(), ref_logits, **TOL)
 
 
 def test_context_append_discards_the_draft_tree():

@@ -11,6 +11,8 @@ from tests.helpers import binary, chain, forest, parent_arrays, star
 from treeattn.tree import (
     CHAIN_CHUNK,
     MAX_TREE_SIZE,
+    _encode_tour,
+    _encode_walk,
     ancestor_path,
     ancestor_paths,
     chain_chunks,
@@ -199,6 +201,21 @@ def test_encoding_equals_a_stack_dfs(parents):
     assert got_order.dtype == np.int64 and got_depth.dtype == np.int64
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just([]), any_tree), max_size=8))
+def test_both_encodings_equal_a_stack_dfs(trees):
+    """The small-batch walk and the large-batch tour, each forced, on any batch (``_encode`` picks one by size)."""
+    sizes = np.array([len(t) for t in trees], dtype=np.int64)
+    parents = np.array([p for t in trees for p in t], dtype=np.int64)
+    expected = [dfs_by_stack(t) for t in trees]
+    for encode in (_encode_walk, _encode_tour):
+        order, depth = encode(parents, sizes)
+        assert order.dtype == depth.dtype == np.int64 and order.shape == (parents.shape[0], 2)
+        starts = np.cumsum(sizes) - sizes
+        for (want_order, want_depth), lo, n in zip(expected, starts.tolist(), sizes.tolist()):
+            assert order[lo:lo + n].tolist() == want_order and depth[lo:lo + n].tolist() == want_depth
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.one_of(st.just([]), any_tree), max_size=8))
 def test_batch_encoding_equals_per_tree_dfs(trees):
@@ -226,6 +243,8 @@ def test_largest_trees_equal_a_stack_dfs(shape):
     order, depth = dfs_by_stack(parents)
     got_order, got_depth = order_and_depth(parents)
     assert got_order.tolist() == order and got_depth.tolist() == depth
+    walked_order, walked_depth = _encode_walk(np.array(parents, dtype=np.int64), np.array([n]))  # not its size's pick
+    assert walked_order.tolist() == order and walked_depth.tolist() == depth
 
 
 @settings(max_examples=80, deadline=None)

@@ -181,8 +181,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class _Attention(nn.Module):
@@ -196,13 +195,37 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
         # A plain float32 tensor, not a buffer: module.to(bfloat16) must not round the frequencies.
         self.inv_freq = _inv_freq(d, cfg.rope_theta, cfg.rope_scaling)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.qkv_proj: nn.Linear | None = None  # fuse()
+
+    def fuse(self) -> None:
+        """Compute q, k and v in one product (``qkv_proj``, the three dropped), for inference."""
+        self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def rope(self, step: _Step, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_rope`` of the step's positions, read from a table of every position below the step's end
+        (kept, grown by doubling): a drafting level rotates a few rows, where computing their angles
+        took a dozen small ops. The table's rows are ``_rope``'s own, bit for bit."""
+        table = self._rope_table
+        if table is None or table[0].shape[0] < step.end or table[0].dtype != dtype or \
+                table[0].device != step.positions.device:
+            size = max(step.end, 256, 0 if table is None else 2 * table[0].shape[0])
+            table = self._rope_table = _rope(torch.arange(size, device=step.positions.device), self.inv_freq, dtype)
+        return table[0][step.positions], table[1][step.positions]
 
     def forward(self, x: torch.Tensor, cache: HeadKVCache, step: _Step) -> torch.Tensor:
         rows, d = x.shape[0], self.head_dim
-        rope = _rope(step.positions, self.inv_freq, x.dtype)  # once for q and k
-        q = _rotate(self.q_proj(x).view(rows, self.num_heads, d), *rope)
-        k = _rotate(self.k_proj(x).view(rows, self.num_kv_heads, d), *rope)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, d)
+        rope = self.rope(step, x.dtype)  # once for q and k
+        if self.qkv_proj is None:
+            q = _rotate(self.q_proj(x).view(rows, self.num_heads, d), *rope)
+            k = _rotate(self.k_proj(x).view(rows, self.num_kv_heads, d), *rope)
+            v = self.v_proj(x).view(rows, self.num_kv_heads, d)
+        else:  # q and k side by side: one rotation
+            qk, v = self.qkv_proj(x).split([(self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d], dim=-1)
+            q, k = _rotate(qk.view(rows, self.num_heads + self.num_kv_heads, d), *rope).split(
+                [self.num_heads, self.num_kv_heads], dim=1)
+            v = v.view(rows, self.num_kv_heads, d)
         return self.o_proj(cache.attend(step, q, k, v).reshape(rows, self.num_heads * d))
 
 
@@ -212,9 +235,30 @@ class _MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # fuse()
+
+    def fuse(self) -> None:
+        """Compute gate and up in one product (``gate_up_proj``, the two dropped), for inference."""
+        self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _stacked(*linears: nn.Linear) -> nn.Linear:
+    """One frozen linear layer computing ``linears`` (same input) side by side, their outputs
+    concatenated (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``): a drafting level runs
+    each product on a few rows, where every call costs about as much as its arithmetic."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=linears[0].bias is not None, device="meta")
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
+    if stacked.bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]), requires_grad=False)
+    return stacked
 
 
 class _Layer(nn.Module):
@@ -253,6 +297,13 @@ class _DraftHead(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([_Layer(cfg, eagle3)])
+
+    def fuse_projections(self) -> None:
+        """Stack the layer's q/k/v and gate/up projections into one product each, for inference (a
+        drafting copy): the head then no longer saves, loads or trains by its checkpoint's names."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -338,7 +389,8 @@ class Eagle3Head(_DraftHead):
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """float32 ``[R, draft_vocab_size]`` logits (draft ids; ``to_target`` maps them)."""
-        return self.lm_head(final).float() * self.config.logit_scale
+        logits = self.lm_head(final).float()
+        return logits if self.config.logit_scale == 1.0 else logits * self.config.logit_scale
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft ids: ``i + d2t[i]`` (the identity when the vocabularies agree)."""
@@ -403,6 +455,7 @@ class _Step:
     trees: list | None  # per sequence, the whole draft tree after the append (None: context rows)
     encoded: tuple[np.ndarray, np.ndarray] | None  # the trees' (tree_indptr, tree_order), from encode_trees
     positions: torch.Tensor
+    end: int  # one past the largest position
 
 
 class HeadKVCache:
@@ -449,7 +502,7 @@ class HeadKVCache:
             raise ValueError(f"append_lengths must hold {len(seqs)} counts >= 0 (one per sequence), got {lengths.tolist()}")
         if tree_parents is None:
             positions = [np.arange(s.length, s.length + n) for s, n in zip(seqs, lengths)]
-            return _Step(seqs, lengths, None, None, _positions(positions, self.device))
+            return _Step(seqs, lengths, None, None, *_positions(positions, self.device))
         if len(tree_parents) != len(seqs):
             raise ValueError(f"tree_parents must hold one parent array per sequence ({len(seqs)}), got {len(tree_parents)}")
         trees = []
@@ -466,7 +519,7 @@ class HeadKVCache:
             trees.append(np.concatenate([s.parents, new]))
         indptr, order, depth = encode_trees(trees, "tree_parents")  # one pass for the batch, reused by attend
         positions = [s.length + depth[indptr[b] + s.parents.shape[0]:indptr[b + 1]] for b, s in enumerate(seqs)]
-        return _Step(seqs, lengths, trees, (indptr, order), _positions(positions, self.device))
+        return _Step(seqs, lengths, trees, (indptr, order), *_positions(positions, self.device))
 
     def attend(self, step: _Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store the step's rows' K/V (RoPE applied) and attend: ``q [R, h_q, d]`` -> ``[R, h_q, d]``."""
@@ -505,8 +558,10 @@ class HeadKVCache:
         return out
 
 
-def _positions(parts: list, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)).to(device)
+def _positions(parts: list, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The rows' positions on ``device`` and one past the largest (0 for none)."""
+    positions = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return torch.from_numpy(positions).to(device), int(positions.max()) + 1 if positions.size else 0
 
 
 def _reserve(s: _Seq, rows: int) -> None:
