@@ -55,8 +55,9 @@ class EagleDrafter:
     ``aux_layers`` (EAGLE-3) or ``(FINAL,)`` (EAGLE-1/2). Implements ``Drafter`` and ``ScoringDrafter``.
 
     The drafter runs its own copy of the head's layer (``head`` stays as it was; the target's
-    embeddings and EAGLE-1's LM head are shared, neither copied nor packed) with oneDNN-packed linear
-    layers on the CPU: a drafting level runs a few rows, where unpacked ``F.linear`` repacks the
+    embeddings and EAGLE-1's LM head are shared, neither copied nor packed) with q/k/v and gate/up
+    fused (``fuse_projections``) and oneDNN-packed linear layers on the CPU: a drafting level runs a
+    few rows, where each call costs about as much as its arithmetic and unpacked ``F.linear`` repacks the
     weights on every call (the linear layers of SmolLM2's EAGLE-3 head, 8 rows, one Zen 4 thread:
     1.28 ms in bfloat16 unpacked, 0.88 packed, 1.65 in float32 packed). ``dtype``: what the copy
     computes in: None for the head's own, ``"fastest"`` the fastest of that, float32 and bfloat16,
