@@ -179,6 +179,7 @@ def _and_fused(head):
     """``head`` and a copy with its projections fused (what drafting runs), which drops q/k/v and gate/up."""
     fused = copy.deepcopy(head)
     fused.fuse_projections()
+    fused.fuse_projections()  # a second call keeps what the first made
     names = {name.split(".")[-2] for name in fused.state_dict() if name.startswith("layers.0.")}
     assert {"qkv_proj", "gate_up_proj"} <= names and not names & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
     return head, fused

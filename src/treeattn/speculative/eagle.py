@@ -200,6 +200,8 @@ class _Attention(nn.Module):
 
     def fuse(self) -> None:
         """Compute q, k and v in one product (``qkv_proj``, the three dropped), for inference."""
+        if self.qkv_proj is not None:  # fused already
+            return
         self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -239,6 +241,8 @@ class _MLP(nn.Module):
 
     def fuse(self) -> None:
         """Compute gate and up in one product (``gate_up_proj``, the two dropped), for inference."""
+        if self.gate_up_proj is not None:  # fused already
+            return
         self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
