@@ -63,8 +63,8 @@ def as_parents(parents: ParentsLike, name: str = "parents") -> np.ndarray:
     return arr
 
 
-# Below this many nodes in a batch the one-pass Python walk beats the vector passes (a 24-node tree:
-# 8 us against 34 on a Zen 4; even at about 256 nodes): what drafting a tree level by level encodes.
+# Up to this many nodes in a batch the two-pass Python walk beats the vector passes (a 24-node tree:
+# 8 us against 34 on a Zen 4; they break even near 256 nodes): what drafting level by level encodes.
 _WALK_NODES = 128
 
 

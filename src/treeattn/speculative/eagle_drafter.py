@@ -220,9 +220,9 @@ class EagleDrafter:
 
 
 def _drafting_copy(head: Eagle3Head | EagleHead, dtype: torch.dtype) -> Eagle3Head | EagleHead:
-    """A copy of ``head`` in eval mode computing in ``dtype`` with its projections fused and its linear
-    layers packed for oneDNN (where it can pack them), sharing the target's weights the head holds (the embeddings; EAGLE-1's
-    LM head) rather than copying them: the head casts what it reads from them."""
+    """A copy of ``head`` in eval mode computing in ``dtype``, its projections fused and its linear
+    layers packed for oneDNN (where it can pack them), sharing the target's weights the head holds
+    (the embeddings; EAGLE-1's LM head) rather than copying them: the head casts what it reads from them."""
     shared = [head.embed_tokens] + ([head.lm_head] if isinstance(head, EagleHead) else [])
     clone = copy.deepcopy(head, {id(module): module for module in shared})
     for child in clone.children():
