@@ -57,3 +57,32 @@ def test_the_kernel_builds_where_a_compiler_is():
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not shutil.which(os.environ.get("CXX", "c++")):
         pytest.skip("needs x86-64 Linux with a C++ compiler")
     assert build.EXTENSION.failure() is None
+
+
+def test_native_prefetches_compiled_in():
+    """GCC takes a function whose only effects are prefetches for one without effects and deletes the calls
+    it does not inline: every call of prefetch_keys / prefetch_tile (the few-rows loop's next tile, the next
+    work item's first keys) and the brgemm kernel's prefetch lambda was compiled out. The built module's
+    code for each of them must hold prefetch instructions, on every kernel path."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or not shutil.which("objdump"):
+        pytest.skip("needs x86-64 Linux and objdump")
+    if build.EXTENSION.failure():
+        pytest.skip(build.EXTENSION.failure())
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", build.EXTENSION.module().__file__],
+                             capture_output=True, text=True, check=True).stdout
+    prefetching = set()  # the functions (demangled signatures) holding a prefetch
+    function = ""
+    for line in listing.splitlines():
+        if line.endswith(">:"):  # "<address> <signature>:" starts a function
+            function = line.split("<", 1)[1]
+        elif "\tprefetch" in line:
+            prefetching.add(function)
+
+    def prefetches(name: str) -> bool:
+        return any(signature.startswith(name + "(") for signature in prefetching)
+
+    for isa in ("generic", "avx2", "avx512"):
+        assert prefetches(f"treeattn_native::{isa}::run_rows"), f"{isa}'s few-rows loop prefetches nothing"
+    for isa in ("avx2", "avx512"):
+        assert prefetches(f"treeattn_native::{isa}::brgemm_item::run"), f"brgemm-{isa} prefetches nothing"
+    assert prefetches("treeattn_native::(anonymous namespace)::run"), "the work-item loop prefetches nothing"
