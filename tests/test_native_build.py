@@ -83,6 +83,7 @@ def test_native_prefetches_compiled_in():
 
     for isa in ("generic", "avx2", "avx512"):
         assert prefetches(f"treeattn_native::{isa}::run_rows"), f"{isa}'s few-rows loop prefetches nothing"
-    for isa in ("avx2", "avx512"):
-        assert prefetches(f"treeattn_native::{isa}::brgemm_item::run"), f"brgemm-{isa} prefetches nothing"
+    for isa in ("avx2", "avx512"):  # brgemm_item::run, or its one caller where the compiler inlined it there
+        assert prefetches(f"treeattn_native::{isa}::brgemm_item::run") or prefetches(
+            f"treeattn_native::run_item_brgemm_{isa}"), f"brgemm-{isa} prefetches nothing"
     assert prefetches("treeattn_native::(anonymous namespace)::run"), "the work-item loop prefetches nothing"
