@@ -208,13 +208,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     // 4096 keys ran 1.03x as fast as without (T 26: 1.01x); spread over the softmax instead, the
     // prefetches stalled it about as long as they saved; issued before this tile's packing, they slowed
     // it on a Sapphire Rapids.
-    for (int64_t i = 0, next = imin(BT, it.c1 - j0 - BT); i < next; ++i) {
-      const int64_t j = j0 + BT + i;
-      const char* k = static_cast<const char*>(p.k) + key_offset(p, b, j, p.k_page, p.k_tok, p.k_head, it.h) * esize;
-      const char* v = static_cast<const char*>(p.v) + key_offset(p, b, j, p.v_page, p.v_tok, p.v_head, it.h) * esize;
-      for (int64_t c = 0; c < d * esize; c += 64) __builtin_prefetch(k + c, 0, 2);
-      for (int64_t c = 0; !p.v_in_k && c < dv * esize; c += 64) __builtin_prefetch(v + c, 0, 2);
-    }
+    prefetch_keys(p, it, j0 + BT, j0 + 2 * BT);
     brgemm(p.dtype, mp, padded, dp, dp, BT, BT, false, qa, kt, s);
 
     // Visibility (as in kernel.hpp), on tiles holding keys some row cannot see: tree keys, the window's

@@ -81,7 +81,7 @@ static inline int64_t key_offset(const Problem& p, int64_t b, int64_t j, int64_t
   return id * page + (j % p.page_size) * tok + h * head;
 }
 
-// Prefetches the K and V rows of keys [j0, j0 + KEY_TILE) of item `it` (up to it.c1): the hardware
+// Prefetches the K and V rows of keys [j0, j1) of item `it` (up to it.c1): the hardware
 // prefetchers stop at every 4 KiB page and lose token-major layouts' strides, so that the misses of a
 // tile would otherwise come one row at a time as the kernel reaches them. Into L2 (prefetcht1): into
 // L1, the few-rows loop ran 1.3-1.9x slower on a Zen 4 (4 requests of 2-node trees after 4096 keys,
