@@ -135,18 +135,22 @@ void check_rows(const at::Tensor& t, const char* name) {
 }
 
 template <typename T>
-void store(void* base, int64_t i, float x) { static_cast<T*>(base)[i] = static_cast<T>(x); }
+void store(void* base, int64_t at, int64_t n, const float* x) {
+  T* out = static_cast<T*>(base) + at;
+  for (int64_t e = 0; e < n; ++e) out[e] = static_cast<T>(x[e]);
+}
 
-void store_value(const Problem& p, int64_t i, float x) {
-  if (p.dtype == F32) store<float>(p.out, i, x);
-  else if (p.dtype == BF16) store<at::BFloat16>(p.out, i, x);
-  else store<at::Half>(p.out, i, x);
+// out[at, at + n) = x, in the output's dtype (one branch per row, not per value).
+void store_values(const Problem& p, int64_t at, int64_t n, const float* x) {
+  if (p.dtype == F32) store<float>(p.out, at, n, x);
+  else if (p.dtype == BF16) store<at::BFloat16>(p.out, at, n, x);
+  else store<at::Half>(p.out, at, n, x);
 }
 
 // One (request, KV head, row block) and its chunks of keys [lo, kv_len) (lo > 0: keys below every row's
-// window are never read): items [first, first + count).
+// window are never read), in `count` items.
 struct Group {
-  int64_t b, h, t0, t1, lo, first, count;
+  int64_t b, h, t0, t1, lo, count;
   float* part_o;  // [count][rows][dv] partial outputs, then [count][rows] LSEs; null when count == 1
 };
 
@@ -175,17 +179,20 @@ inline float merge_weights(const float* lses, int64_t stride, int64_t count, flo
 void merge_group(const Problem& p, const Group& g, std::vector<float>& w) {
   const int64_t rows = (g.t1 - g.t0) * p.group, dv = p.dv;
   const float* lses = g.part_o + g.count * rows * dv;
-  w.resize(size_t(g.count));
+  w.resize(size_t(g.count + dv));  // the parts' weights, then the merged row
+  float* acc = w.data() + g.count;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = p.q_starts[g.b] + g.t0 + r / p.group, head = g.h * p.group + r % p.group;
     const float lse = merge_weights(lses + r, rows, g.count, w.data(), p.sinks2 ? p.sinks2[head] : -INFINITY);
-    const int64_t off = t * p.o_row + head * p.o_head;
-    for (int64_t e = 0; e < dv; ++e) {
-      float acc = 0.0f;
-      for (int64_t c = 0; c < g.count; ++c)
-        if (w[c] > 0.0f) acc += w[c] * g.part_o[(c * rows + r) * dv + e];
-      store_value(p, off + e, acc);
+    // Part by part over the whole row (vector loops; value by value, with the dtype's branch per value,
+    // the merge took 3% of a bf16 call of 64-node trees cut in two chunks per head).
+    std::fill(acc, acc + dv, 0.0f);
+    for (int64_t c = 0; c < g.count; ++c) {
+      if (!(w[c] > 0.0f)) continue;  // a part of weight 0 adds nothing, even a NaN
+      const float wc = w[c], *part = g.part_o + (c * rows + r) * dv;
+      for (int64_t e = 0; e < dv; ++e) acc[e] += wc * part[e];
     }
+    store_values(p, t * p.o_row + head * p.o_head, dv, acc);
     p.lse[t * p.l_row + head * p.l_head] = lse;
   }
 }
@@ -202,9 +209,10 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
     const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b];
     if (qo == 0) continue;
     if (kv == 0) {  // no keys at all: out 0, lse EMPTY_LSE (the sink's, with sinks)
+      const std::vector<float> zeros(size_t(p.dv), 0.0f);
       for (int64_t t = p.q_starts[b]; t < p.q_starts[b] + qo; ++t)
         for (int64_t head = 0; head < p.h_kv * p.group; ++head) {
-          for (int64_t e = 0; e < p.dv; ++e) store_value(p, t * p.o_row + head * p.o_head + e, 0.0f);
+          store_values(p, t * p.o_row + head * p.o_head, p.dv, zeros.data());
           p.lse[t * p.l_row + head * p.l_head] = p.sinks2 ? p.sinks2[head] : EMPTY_LSE;
         }
       continue;
@@ -218,7 +226,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
       for (int64_t t = t0; p.window && t < t1; ++t)
         lo = std::min(lo, std::max<int64_t>(0, p.row_pos[p.q_starts[b] + t] - p.window + 1));
       for (int64_t h = 0; h < p.h_kv; ++h) {
-        groups.push_back({b, h, t0, t1, lo, 0, 1, nullptr});
+        groups.push_back({b, h, t0, t1, lo, 1, nullptr});
         max_rows = std::max(max_rows, (t1 - t0) * p.group);
         flops += 2.0 * double((t1 - t0) * p.group * (kv - lo) * (p.d + p.dv));
         keys += double(kv - lo);
@@ -249,7 +257,6 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& g = groups[gi];
     const int64_t kv = p.kv_lens[g.b], rows = (g.t1 - g.t0) * p.group;
-    g.first = int64_t(items.size());
     if (g.count == 1) {
       items.push_back({g.b, g.h, g.t0, g.t1, g.lo, kv, nullptr, nullptr});
       owner.push_back(int64_t(gi));
