@@ -128,6 +128,23 @@ def test_tree_shapes_at_page_boundaries(isa, shape, prefix):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_blocks_read_tree_keys_only_up_to_their_last_ancestor(isa, dtype):
+    """Trees longer than a row block (64 or 128 tokens at group 4): each block reads the tree keys up to
+    the last node that enters the DFS no later than its rows do. A prefill's chain (most keys skipped), a
+    level-order tree, query rows that are part of a chain, and a tree_order no parent array gives, whose
+    ancestors come after their descendants (a cut by node index would drop keys these rows see)."""
+    batch = make_batch([Request(chain(700), prefix=33), Request(binary(600)), Request(chain(500), prefix=5, qo=300)],
+                       h_q=8, h_kv=2, d=64, dtype=dtype, seed=5)
+    assert_close_to_reference(*native(batch, isa), *reference(batch), dtype)
+    reversed_chain = make_batch([Request(chain(400), prefix=10)], h_q=8, h_kv=2, d=64, dtype=dtype, seed=6)
+    n = 400  # node j enters at n - 1 - j: node n - 1 is the root, node 0 the leaf that sees every key
+    reversed_chain.tree_order[:] = torch.stack([n - 1 - torch.arange(n), torch.full((n,), n)], 1).to(
+        reversed_chain.tree_order.dtype)
+    assert_close_to_reference(*native(reversed_chain, isa), *reference(reversed_chain), dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 128, 256])
 def test_gqa_groups_and_head_dims(isa, group, head_dim):

@@ -147,10 +147,10 @@ void store_values(const Problem& p, int64_t at, int64_t n, const float* x) {
   else store<at::Half>(p.out, at, n, x);
 }
 
-// One (request, KV head, row block) and its chunks of keys [lo, kv_len) (lo > 0: keys below every row's
-// window are never read), in `count` items.
+// One (request, KV head, row block) and its chunks of keys [lo, hi) (lo > 0: keys below every row's
+// window are never read; hi < kv_len: tree keys after every node the rows can see), in `count` items.
 struct Group {
-  int64_t b, h, t0, t1, lo, count;
+  int64_t b, h, t0, t1, lo, hi, count;
   float* part_o;  // [count][rows][dv] partial outputs, then [count][rows] LSEs; null when count == 1
 };
 
@@ -217,6 +217,8 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
         }
       continue;
     }
+    const int64_t n = p.tree_sizes[b];
+    const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
     for (int64_t t0 = 0; t0 < qo; t0 += block) {
       const int64_t t1 = std::min(qo, t0 + block);
       // With a window, reading starts at the lowest window start of these rows: a key's position is at
@@ -225,11 +227,22 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
       int64_t lo = p.window ? kv : 0;
       for (int64_t t = t0; p.window && t < t1; ++t)
         lo = std::min(lo, std::max<int64_t>(0, p.row_pos[p.q_starts[b] + t] - p.window + 1));
+      // Reading ends after the last tree node that enters the DFS no later than these rows' nodes do: a
+      // row sees only its ancestors, which enter before it. A chain (a prefill) cut into row blocks
+      // reads no key after each block's last row: about half the keys of a long one.
+      int64_t hi = kv;
+      if (n > 0) {
+        int32_t top = -1;  // the rows' latest enter (row t is node t + n - qo)
+        for (int64_t t = t0; t < t1; ++t) top = std::max(top, order[2 * (t + n - qo)]);
+        int64_t last = n - 1;
+        while (order[2 * last] > top) --last;  // stops at the rows' own nodes at the latest
+        hi = kv - n + last + 1;
+      }
       for (int64_t h = 0; h < p.h_kv; ++h) {
-        groups.push_back({b, h, t0, t1, lo, 1, nullptr});
+        groups.push_back({b, h, t0, t1, lo, hi, 1, nullptr});
         max_rows = std::max(max_rows, (t1 - t0) * p.group);
-        flops += 2.0 * double((t1 - t0) * p.group * (kv - lo) * (p.d + p.dv));
-        keys += double(kv - lo);
+        flops += 2.0 * double((t1 - t0) * p.group * (hi - lo) * (p.d + p.dv));
+        keys += double(hi - lo);
       }
     }
   }
@@ -246,7 +259,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   int64_t part_floats = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& g = groups[gi];
-    const int64_t kv = p.kv_lens[g.b] - g.lo, count = chunk ? std::max<int64_t>(1, (kv + chunk - 1) / chunk) : 1;
+    const int64_t count = chunk ? std::max<int64_t>(1, (g.hi - g.lo + chunk - 1) / chunk) : 1;
     g.count = count;
     if (count > 1) {
       part_at[gi] = part_floats;
@@ -256,16 +269,16 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   std::vector<float> parts(static_cast<size_t>(part_floats));
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& g = groups[gi];
-    const int64_t kv = p.kv_lens[g.b], rows = (g.t1 - g.t0) * p.group;
+    const int64_t rows = (g.t1 - g.t0) * p.group;
     if (g.count == 1) {
-      items.push_back({g.b, g.h, g.t0, g.t1, g.lo, kv, nullptr, nullptr});
+      items.push_back({g.b, g.h, g.t0, g.t1, g.lo, g.hi, nullptr, nullptr});
       owner.push_back(int64_t(gi));
       continue;
     }
     g.part_o = parts.data() + part_at[gi];
-    const int64_t size = (kv - g.lo + g.count - 1) / g.count;
+    const int64_t size = (g.hi - g.lo + g.count - 1) / g.count;
     for (int64_t c = 0; c < g.count; ++c)
-      items.push_back({g.b, g.h, g.t0, g.t1, g.lo + c * size, std::min(kv, g.lo + (c + 1) * size), g.part_o + c * rows * p.dv,
+      items.push_back({g.b, g.h, g.t0, g.t1, g.lo + c * size, std::min(g.hi, g.lo + (c + 1) * size), g.part_o + c * rows * p.dv,
                        g.part_o + g.count * rows * p.dv + c * rows});
     for (int64_t c = 0; c < g.count; ++c) owner.push_back(int64_t(gi));
   }
