@@ -145,6 +145,25 @@ def test_row_blocks_read_tree_keys_only_up_to_their_last_ancestor(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [2, 8, 100])
+def test_window_over_a_tree_not_numbered_parents_first(isa, window):
+    """A valid tree_order need not number parents first: a node deeper than its index sits at a position
+    above its index, so a window that opens inside the tree can still see a key below the window's start.
+    A three-node chain whose root is node 1 (after and before a prefix), and a reversed chain whose root is
+    its last node, cut into row blocks."""
+    three = make_batch([Request([-1, 0, 1], prefix=0, qo=1), Request([-1, 0, 1], prefix=2, qo=1)], h_q=2, h_kv=1,
+                       d=16, seed=window)
+    three.tree_order[:] = torch.tensor([[1, 3], [0, 3], [2, 3]] * 2, dtype=three.tree_order.dtype)
+    n = 400  # node j enters at n - 1 - j
+    reversed_chain = make_batch([Request(chain(n), prefix=10)], h_q=8, h_kv=2, d=64, seed=window + 1)
+    reversed_chain.tree_order[:] = torch.stack([n - 1 - torch.arange(n), torch.full((n,), n)], 1).to(
+        reversed_chain.tree_order.dtype)
+    for batch in (three, reversed_chain):
+        want = reference(batch, sliding_window=window)
+        assert_close_to_reference(*native(batch, isa, sliding_window=window), *want, torch.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [16, 20, 64, 128, 256])
 def test_gqa_groups_and_head_dims(isa, group, head_dim):

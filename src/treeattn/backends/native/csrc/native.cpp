@@ -221,12 +221,19 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
     const int32_t* order = p.tree_order + 2 * p.tree_starts[b];
     for (int64_t t0 = 0; t0 < qo; t0 += block) {
       const int64_t t1 = std::min(qo, t0 + block);
-      // With a window, reading starts at the lowest window start of these rows: a key's position is at
-      // most its index (tree node i of the tree at tree_lo + depth(i) <= its index), so no row sees a
-      // key below it.
+      // With a window, reading starts at the lowest window start of these rows, w: no prefix key below
+      // it is in any row's window. Tree node a sits at position tree_lo + depth(a) and index tree_lo + a;
+      // numbered parents first, depth(a) <= a, and no tree key below w either. Any other numbering (a
+      // valid tree_order need not be one) may put a node of depth >= w - tree_lo at a lower index:
+      // reading starts at the first such node then (the per-key window test masks the rest).
       int64_t lo = p.window ? kv : 0;
       for (int64_t t = t0; p.window && t < t1; ++t)
         lo = std::min(lo, std::max<int64_t>(0, p.row_pos[p.q_starts[b] + t] - p.window + 1));
+      for (int64_t a = 0; p.window && n > 0 && a < lo - (kv - n); ++a)
+        if (p.node_depth[p.tree_starts[b] + a] >= lo - (kv - n)) {
+          lo = kv - n + a;
+          break;
+        }
       // Reading ends after the last tree node that enters the DFS no later than these rows' nodes do: a
       // row sees only its ancestors, which enter before it. A chain (a prefill) cut into row blocks
       // reads no key after each block's last row: about half the keys of a long one.
