@@ -322,8 +322,8 @@ def test_paged_variants_half_precision_own_v_strides(dtype):
 
 
 def test_a_window_skips_keys_outside_every_rows_window():
-    """Keys below every row's window are never read: the plan starts each request's work at its window, and
-    the kernel each block's. NaN in those keys would reach the output through ``p = 0`` times NaN if read."""
+    """Keys below every row's window are never read: the plan starts each row block's work at its own window
+    floor. NaN in those keys would reach the output through ``p = 0`` times NaN if read."""
     rng = np.random.default_rng(2)
     reqs = [Request(random_tree(rng, 20), prefix=400), Request((), prefix=300, qo=2), Request(chain(6), prefix=3)]
     b = make_batch(reqs, h_q=4, h_kv=2, d=16, dtype=torch.float32, seed=42)
@@ -334,15 +334,36 @@ def test_a_window_skips_keys_outside_every_rows_window():
         start = int(plan.kv_starts[r])
         b.k[start:start + first] = float("nan")
         b.v[start:start + first] = float("nan")
-    for chunk in (0, 32, "kernel"):
-        state = BACKEND.plan(plan, spec_of(b.q, 2, sliding_window=window), kv_chunk=chunk if chunk != "kernel" else 0)
+    for chunk in (0, 32):
+        state = BACKEND.plan(plan, spec_of(b.q, 2, sliding_window=window), kv_chunk=chunk)
         work = state.work.numpy()
         assert work[work[:, 0] == 0, WorkColumn.KV_LO].min() == 400 - window + 1  # request 0's roots: position 400
-        if chunk == "kernel":  # the plan's narrowing undone: the kernel's own loop bounds skip those keys too
-            state.work[:, WorkColumn.KV_LO] = 0
         out, lse = outputs_for(b.q)
         BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=0.25, out=out, lse=lse)
         assert_close_to_reference(out, lse, *ref(b, sm_scale=0.25, sliding_window=window), torch.float32)
+
+
+@pytest.mark.parametrize("window", [2, 8, 100])
+def test_window_over_a_tree_not_numbered_parents_first(window):
+    """A valid tree_order need not number parents first: a node deeper than its index sits at a position
+    above its index, so a window that opens inside the tree can see a key below the window's start (each
+    row block reads from the first such node). A three-node chain whose root is node 1, after and before a
+    prefix, and a reversed chain whose root is its last node, in several row blocks, whole and split."""
+    three = make_batch([Request([-1, 0, 1], prefix=0, qo=1), Request([-1, 0, 1], prefix=2, qo=1)], h_q=2, h_kv=1,
+                       d=16, dtype=torch.float32, seed=window)
+    three.tree_order[:] = torch.tensor([[1, 3], [0, 3], [2, 3]] * 2, dtype=three.tree_order.dtype)
+    n = 150  # node j enters at n - 1 - j
+    reversed_chain = make_batch([Request(chain(n), prefix=10)], h_q=8, h_kv=2, d=16, dtype=torch.float32,
+                                seed=window + 1)
+    reversed_chain.tree_order[:] = torch.stack([n - 1 - torch.arange(n), torch.full((n,), n)], 1).to(
+        reversed_chain.tree_order.dtype)
+    for b in (three, reversed_chain):
+        plan = ragged_plan(b)
+        for chunk in (0, 32):
+            state = BACKEND.plan(plan, spec_of(b.q, b.k.shape[1], sliding_window=window), kv_chunk=chunk)
+            out, lse = outputs_for(b.q)
+            BACKEND.tree_attention(b.q, b.k, b.v, plan, state, sm_scale=0.25, out=out, lse=lse)
+            assert_close_to_reference(out, lse, *ref(b, sm_scale=0.25, sliding_window=window), torch.float32)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])

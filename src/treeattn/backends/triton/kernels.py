@@ -256,11 +256,11 @@ def tree_attn_kernel(
     row_lo = tok  # each row's first visible position; only read with a window
     full_lo = kv_lo  # keys from here to the tree are seen by every row: no mask
     if WINDOW:
-        # Keys below every row's window are not read at all: reading starts at the lowest row's window
-        # (a key's position is at most its index). Keys up to the highest row's window start are the
+        # Keys below every row's window are not read at all: the work item starts at its row block's
+        # window floor (partition.window_floors). Keys up to the highest row's window start are the
         # window's ragged edge and need the mask; past it, the prefix is whole again.
         row_lo = tl.load(row_pos_ptr + q_start + tok, mask=row_ok, other=0) - window + 1
-        first = tl.maximum(kv_lo, tl.min(tl.where(row_ok, row_lo, kv_hi), 0))
+        first = kv_lo
         full_lo = tl.maximum(first, tl.minimum(tl.max(tl.where(row_ok, row_lo, 0), 0),
                                                tl.minimum(tree_kv_start, kv_hi)))
     unmasked_end = full_lo + tl.maximum(tl.minimum(kv_hi, tree_kv_start) - full_lo, 0) // BLOCK_N * BLOCK_N

@@ -175,23 +175,55 @@ def num_sms(device: torch.device) -> int:
     return DEFAULT_SMS
 
 
-def window_starts(plan: TreeAttentionPlan, window: int | None) -> np.ndarray:
-    """Per request, the first key that some row's window reaches (0 without a window): no row sees a key
-    before it, so none is read. A key's position is at most its index (a tree node sits at
-    ``prefix + depth``), so a window opening at position ``p`` leaves out every key below index ``p``."""
-    starts = np.zeros(plan.batch_size, np.int64)
+def window_floors(plan: TreeAttentionPlan, window: int | None, group: int, block_m: int) -> np.ndarray:
+    """Per row block of ``block_m`` rows (request-major, ``cdiv(qo_len * group, block_m)`` per request), the
+    first key some row of it can see through its window (0 without a window): no key before it is read.
+    A prefix key's position is its index; tree node ``a`` sits at position ``prefix + depth(a)`` and index
+    ``prefix + a``. Numbered parents first (as every parent array numbers a tree), ``depth(a) <= a``, so no
+    key below the block's lowest window start ``w`` is visible; a valid ``tree_order`` numbered otherwise
+    may put a node of depth ``>= w - prefix`` at a lower index: the floor is then the first such node."""
+    qo, kv, n = (x.astype(np.int64) for x in (plan.qo_lens, plan.kv_lens, plan.tree_sizes))
+    blocks = cdiv(qo * group, block_m)
+    floors = np.zeros(int(blocks.sum()), np.int64)
     if window is None or not plan.total_q:
-        return starts
-    rows = np.repeat(np.arange(plan.batch_size), plan.qo_lens)
-    lowest = np.full(plan.batch_size, np.iinfo(np.int64).max)
-    np.minimum.at(lowest, rows, plan.row_positions - (window - 1))
-    return np.where(plan.qo_lens > 0, np.maximum(lowest, 0), 0)
+        return floors
+    first_block = np.cumsum(blocks) - blocks
+    req = np.repeat(np.arange(plan.batch_size), qo)
+    tok = np.arange(req.shape[0]) - plan.q_starts[req]
+    row_lo = np.maximum(plan.row_positions - (window - 1), 0)
+    floors[:] = np.iinfo(np.int64).max
+    for row in (tok * group, tok * group + group - 1):  # a token's rows lie in one or two blocks
+        np.minimum.at(floors, first_block[req] + row // block_m, row_lo)
+    node_req = np.repeat(np.arange(plan.batch_size), n)
+    local = np.arange(node_req.shape[0]) - np.repeat(np.cumsum(n) - n, n)
+    depths = plan.node_depths
+    for b in np.unique(node_req[depths > local]):  # trees not numbered parents first
+        tree_lo, d = kv[b] - n[b], depths[plan.tree_starts[b]:plan.tree_starts[b] + n[b]]
+        lowest = np.full(int(d.max()) + 2, n[b])  # lowest[x]: the lowest index of a node of depth >= x
+        np.minimum.at(lowest, d, np.arange(n[b]))
+        lowest = np.minimum.accumulate(lowest[::-1])[::-1]
+        at = slice(first_block[b], first_block[b] + blocks[b])
+        deep = np.minimum(np.maximum(floors[at] - tree_lo, 0), lowest.shape[0] - 1)
+        floors[at] = np.minimum(floors[at], tree_lo + lowest[deep])
+    return floors
+
+
+def window_starts(plan: TreeAttentionPlan, window: int | None, group: int, block_m: int) -> np.ndarray:
+    """Per request, the first key some row's window reaches (``window_floors``' lowest; 0 without a
+    window or rows): no row sees a key before it, so none is read."""
+    qo = plan.qo_lens.astype(np.int64)
+    blocks = cdiv(qo * group, block_m)
+    floors = window_floors(plan, window, group, block_m)
+    starts = np.zeros(plan.batch_size, np.int64)
+    has = blocks > 0
+    starts[has] = np.minimum.reduceat(floors, (np.cumsum(blocks) - blocks)[has]) if floors.size else 0
+    return starts
 
 
 def default_chunk(plan: TreeAttentionPlan, spec: AttentionSpec, tiles: TileConfig) -> int:
     """``split_chunk`` for ``plan``: the keys a request reads are those from its window's start on."""
     rowblocks = cdiv(plan.qo_lens.astype(np.int64) * spec.group, tiles.block_m)
-    spans = plan.kv_lens.astype(np.int64) - window_starts(plan, spec.sliding_window)
+    spans = plan.kv_lens.astype(np.int64) - window_starts(plan, spec.sliding_window, spec.group, tiles.block_m)
     return split_chunk(rowblocks, spans, spec.num_kv_heads, tiles.block_n, num_sms(plan.device))
 
 
@@ -200,7 +232,8 @@ def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chu
     """Host int32 tables for a given KV ``chunk`` (0: no split). With a ``window`` a request's work starts
     at its ``window_starts`` key, and only what follows is cut into chunks."""
     qo, kv = plan.qo_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
-    first = window_starts(plan, window)
+    floors = window_floors(plan, window, group, tiles.block_m)
+    first = window_starts(plan, window, group, tiles.block_m)
     span = kv - first
     batch = qo.shape[0]
     rowblocks = cdiv(qo * group, tiles.block_m)
@@ -225,9 +258,10 @@ def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chu
     work = np.zeros((req.shape[0], len(WorkColumn)), np.int64)
     work[:, WorkColumn.REQUEST] = req
     work[:, WorkColumn.FIRST_ROW] = block * tiles.block_m
-    work[:, WorkColumn.KV_LO] = first[req] + np.where(is_split[req], split_idx * chunk, 0)
-    work[:, WorkColumn.KV_HI] = np.where(is_split[req], np.minimum(work[:, WorkColumn.KV_LO] + chunk, kv[req]),
-                                         kv[req])
+    chunk_lo = first[req] + np.where(is_split[req], split_idx * chunk, 0)
+    work[:, WorkColumn.KV_HI] = np.where(is_split[req], np.minimum(chunk_lo + chunk, kv[req]), kv[req])
+    # Each row block's reading starts at its own window floor (an item may then read nothing).
+    work[:, WorkColumn.KV_LO] = np.maximum(chunk_lo, floors[(np.cumsum(rowblocks) - rowblocks)[req] + block])
     work[:, WorkColumn.SPLIT] = np.where(is_split[req], split_idx, -1)
     token_request = np.repeat(np.arange(batch), qo)
     counts = np.zeros(len(CountColumn), np.int64)
