@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import treeattn
-from tests.helpers import MIXED, Request, assert_close_to_reference, binary, chain, make_batch, random_tree
+from tests.helpers import MIXED, Request, assert_close_to_reference, binary, chain, forest, make_batch, random_tree
 from tests.test_native import ISAS, layouts, native, reference
 from tests.test_variants import VARIANTS, _kwargs, _sinks
 from treeattn.backends import AttentionSpec, select
@@ -67,6 +67,30 @@ def test_long_prefix_split_counts_sinks_once(isa, paged, variant):
     try:
         batch = make_batch([Request(binary(31), prefix=5000, qo=20), Request((), prefix=3001, qo=3)], h_q=4, h_kv=1,
                            d=64, seed=7, page_size=16)
+        got = native(batch, isa, layouts(batch)["TVM"] if paged else None, **kw)
+    finally:
+        torch.set_num_threads(before)
+    assert_close_to_reference(*got, *reference(batch, **kw), torch.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("paged", [False, True], ids=["ragged", "paged"])
+@pytest.mark.parametrize("variant", ["none", "window + softcap + sinks", "sinks, window 2000"])
+def test_tree_key_cut_with_split_chunks_and_variants(isa, paged, variant):
+    """Row blocks read tree keys only up to their rows' last ancestor, together with what else changes an
+    item's keys: a forest whose first tree (a chain numbered root last: ancestors after descendants) cuts
+    the second one off its blocks, on one KV head and two threads (each block's keys split into chunks
+    merged by LSE), with a window, soft-cap and sinks, ragged and paged."""
+    kw = ({} if variant == "none" else dict(sliding_window=2000, sinks=_sinks(4, 3.0, 5))
+          if variant.startswith("sinks,") else _kwargs(VARIANTS[variant], 4, 5))
+    m = 260
+    batch = make_batch([Request(forest(chain(m), chain(m)), prefix=1500)], h_q=4, h_kv=1, d=32, seed=9, page_size=16)
+    j = torch.arange(m)
+    batch.tree_order[:] = torch.cat([torch.stack([m - 1 - j, torch.full((m,), m)], 1),  # root last
+                                     torch.stack([m + j, torch.full((m,), 2 * m)], 1)]).to(batch.tree_order.dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
         got = native(batch, isa, layouts(batch)["TVM"] if paged else None, **kw)
     finally:
         torch.set_num_threads(before)
