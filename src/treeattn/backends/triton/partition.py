@@ -208,22 +208,21 @@ def window_floors(plan: TreeAttentionPlan, window: int | None, group: int, block
     return floors
 
 
-def window_starts(plan: TreeAttentionPlan, window: int | None, group: int, block_m: int) -> np.ndarray:
-    """Per request, the first key some row's window reaches (``window_floors``' lowest; 0 without a
-    window or rows): no row sees a key before it, so none is read."""
-    qo = plan.qo_lens.astype(np.int64)
-    blocks = cdiv(qo * group, block_m)
-    floors = window_floors(plan, window, group, block_m)
-    starts = np.zeros(plan.batch_size, np.int64)
+def window_starts(floors: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Per request, the first key some row's window reaches: the lowest of its row blocks' ``floors``
+    (``window_floors``; ``blocks`` per request), 0 for a request without rows."""
+    starts = np.zeros(blocks.shape[0], np.int64)
     has = blocks > 0
-    starts[has] = np.minimum.reduceat(floors, (np.cumsum(blocks) - blocks)[has]) if floors.size else 0
+    if has.any():
+        starts[has] = np.minimum.reduceat(floors, (np.cumsum(blocks) - blocks)[has])
     return starts
 
 
 def default_chunk(plan: TreeAttentionPlan, spec: AttentionSpec, tiles: TileConfig) -> int:
     """``split_chunk`` for ``plan``: the keys a request reads are those from its window's start on."""
     rowblocks = cdiv(plan.qo_lens.astype(np.int64) * spec.group, tiles.block_m)
-    spans = plan.kv_lens.astype(np.int64) - window_starts(plan, spec.sliding_window, spec.group, tiles.block_m)
+    floors = window_floors(plan, spec.sliding_window, spec.group, tiles.block_m)
+    spans = plan.kv_lens.astype(np.int64) - window_starts(floors, rowblocks)
     return split_chunk(rowblocks, spans, spec.num_kv_heads, tiles.block_n, num_sms(plan.device))
 
 
@@ -232,11 +231,11 @@ def partition_arrays(plan: TreeAttentionPlan, group: int, tiles: TileConfig, chu
     """Host int32 tables for a given KV ``chunk`` (0: no split). With a ``window`` a request's work starts
     at its ``window_starts`` key, and only what follows is cut into chunks."""
     qo, kv = plan.qo_lens.astype(np.int64), plan.kv_lens.astype(np.int64)
+    rowblocks = cdiv(qo * group, tiles.block_m)
     floors = window_floors(plan, window, group, tiles.block_m)
-    first = window_starts(plan, window, group, tiles.block_m)
+    first = window_starts(floors, rowblocks)
     span = kv - first
     batch = qo.shape[0]
-    rowblocks = cdiv(qo * group, tiles.block_m)
     splits = np.where((span > chunk) & (chunk > 0), cdiv(span, max(chunk, 1)), 1)
     is_split = (splits > 1) & (qo > 0)
     part_rows = np.where(is_split, splits * qo, 0)
