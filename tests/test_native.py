@@ -197,11 +197,15 @@ def test_items_of_9_to_16_rows(isa, group):
 @pytest.mark.parametrize("head_dim", [17, 66, 129])
 def test_16_bit_head_dims_odd_and_uneven(isa, dtype, head_dim):
     """16-bit K rows of an odd head dim end in half a 32-bit word: the brgemm paths pack K^T in word pairs
-    (VNNI) or in plain rows (fp16 on AVX512-FP16) and must pad that half with zero."""
+    (VNNI) or in plain rows (fp16 on AVX512-FP16) and must pad that half with zero, from K rows and from
+    a dims-major K (whose last dim pairs with nothing)."""
     skip_unless_checked(NativeBackend(isa=isa), dtype)
     batch = make_batch([Request(binary(13), prefix=300), Request(chain(5), prefix=3, qo=2)], h_q=4, h_kv=2,
-                       d=head_dim, dtype=dtype, seed=head_dim)
-    assert_close_to_reference(*native(batch, isa, sm_scale=head_dim**-0.5), *reference(batch, head_dim**-0.5), dtype)
+                       d=head_dim, dtype=dtype, seed=head_dim, page_size=16)
+    want = reference(batch, head_dim**-0.5)
+    assert_close_to_reference(*native(batch, isa, sm_scale=head_dim**-0.5), *want, dtype)
+    assert_close_to_reference(*native(batch, isa, layouts(batch)["K dims-major"], sm_scale=head_dim**-0.5), *want,
+                              dtype)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -53,12 +53,12 @@ class Faulty:
         if isa.startswith("brgemm-") and self.mode == "raise":
             raise RuntimeError("injected: no micro-kernel for this dtype")
         self.real.attention(q, k, v, meta, order, pages, page_size, sm_scale, out, lse, isa, *variants)
-        if isa.startswith("brgemm-") and self.mode == "wrong":
+        if isa.startswith("brgemm-") and (self.mode == "wrong" or self.mode == "wrong dims-major" and k.stride(-1) != 1):
             out[0, 0, 0] += 1.0
 
 
 @pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
-@pytest.mark.parametrize("mode", ["raise", "wrong"])
+@pytest.mark.parametrize("mode", ["raise", "wrong", "wrong dims-major"])
 def test_a_failing_brgemm_path_is_switched_off_with_one_warning(mode):
     faulty = Faulty(mode)
     fallback = FMA
@@ -70,6 +70,7 @@ def test_a_failing_brgemm_path_is_switched_off_with_one_warning(mode):
     why = "injected" if mode == "raise" else "differs from"
     for path, warning in zip(BRGEMM, caught):
         assert path in str(warning.message) and why in str(warning.message) and "float32" in str(warning.message)
+        assert ("K dims-major" in str(warning.message)) == (mode == "wrong dims-major")
     spec = AttentionSpec(torch.device("cpu"), torch.float32, 8, 2, 64, 64)
     assert "self-check" in NativeBackend(isa=BRGEMM[0], extension=faulty).unsupported(spec)
     assert NativeBackend(extension=faulty).unsupported(spec) is None  # the default runs on the fallback

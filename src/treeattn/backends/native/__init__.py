@@ -182,32 +182,44 @@ class NativeBackend(Backend):
             return self._checks[key]
 
     def _self_check(self, isa: str, dtype: torch.dtype) -> str | None:
+        from ...layout import PagedKV
         from ...plan import TreeAttentionPlan
         from ...testing import Request, binary, make_batch
 
-        # Two tiles and a short one, a tree with queries, a request without a tree, a GQA group of 4.
+        # Two tiles and a short one, a tree with queries, a request without a tree, a GQA group of 4; the
+        # keys ragged, and in 16-token pages with K stored dims-major (vLLM's CPU cache: its own packing).
         batch = make_batch([Request(binary(13), prefix=150), Request((), prefix=70, qo=3)], h_q=8, h_kv=2, d=64,
-                           dtype=dtype, seed=1234)
-        plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+                           dtype=dtype, seed=1234, page_size=16)
+        e = batch.extra
+        pages = e["kv_pages"]  # [pages, 2, h_kv, page_size, d]
+        kv = PagedKV.wrap((pages[:, 0].transpose(2, 3).contiguous().transpose(2, 3), pages[:, 1]), "HND")
+        cases = [(TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order),
+                  batch.k, batch.v, 0),
+                 (TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
+                                          batch.tree_indptr, batch.tree_order, page_size=16,
+                                          num_pages=pages.shape[0]), kv.k, kv.v, 16)]
         spec = AttentionSpec(torch.device("cpu"), dtype, 8, 2, 64, 64)
         baseline = self.fma_path()
-        results = []
-        for name in (isa, baseline):
-            out = torch.full_like(batch.q, float("nan"))
-            lse = torch.full(batch.q.shape[:2], float("nan"))
-            state = self._state(plan, spec, name)
-            try:
-                self._run(batch.q, batch.k, batch.v, state, 0, 0.125, out, lse, None)
-            except Exception as exc:  # oneDNN has no kernel for this dtype here, or the path is broken
-                return f"it raised {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            results.append((out.float(), lse))
-        (out, lse), (want, want_lse) = results
-        tol = _CHECK_TOL[dtype]
-        error = ((out - want).abs() - tol * want.abs()).max().item()
-        lse_error = ((lse - want_lse).abs() - 1e-4 * want_lse.abs()).max().item()
-        if not error <= tol or not lse_error <= 1e-4:  # NaN fails too
-            return (f"its output differs from the {baseline!r} path's by {error + tol:.3g} beyond {tol:g} "
-                    f"(LSE: {lse_error + 1e-4:.3g})")
+        for plan, k, v, page_size in cases:
+            results = []
+            for name in (isa, baseline):
+                out = torch.full_like(batch.q, float("nan"))
+                lse = torch.full(batch.q.shape[:2], float("nan"))
+                state = self._state(plan, spec, name)
+                try:
+                    self._run(batch.q, k, v, state, page_size, 0.125, out, lse, None)
+                except Exception as exc:  # oneDNN has no kernel for this dtype here, or the path is broken
+                    message = str(exc).strip()
+                    return f"it raised {type(exc).__name__}: {message.splitlines()[0] if message else ''}"
+                results.append((out.float(), lse))
+            (out, lse), (want, want_lse) = results
+            tol = _CHECK_TOL[dtype]
+            error = ((out - want).abs() - tol * want.abs()).max().item()
+            lse_error = ((lse - want_lse).abs() - 1e-4 * want_lse.abs()).max().item()
+            if not error <= tol or not lse_error <= 1e-4:  # NaN fails too
+                layout = "paged, K dims-major" if page_size else "ragged"
+                return (f"its output ({layout}) differs from the {baseline!r} path's by {error + tol:.3g} beyond "
+                        f"{tol:g} (LSE: {lse_error + 1e-4:.3g})")
         return None
 
     def unsupported(self, spec: AttentionSpec) -> str | None:

@@ -75,6 +75,37 @@ static void pack_kt(const char* const* rows, int64_t count, int64_t padded, int6
     }
 }
 
+// K^T of a tile from a dims-major K (Problem::k_dim: dim c of key i at rows[i] + c * k_dim elements), as
+// vLLM's CPU cache stores it: within a page each dim's keys are contiguous, so K^T's rows are copied a run
+// of contiguous keys at a time (a run per page; keys anywhere else are runs of one). Into dst's rows of
+// BT: fp32 values, 16-bit values read plain (value rows [dp][BT]), or 16-bit VNNI pairs of dims (word
+// rows [dp / 2][BT], as pack_kt writes them). Keys past count, up to `padded`, and an odd d's pad dim are zero.
+static void pack_kt_dims(const char* const* rows, int64_t count, int64_t padded, int64_t d, int64_t k_dim,
+                         int32_t dtype, bool pairs, uint32_t* dst) {
+  const int64_t esize = dtype == F32 ? 4 : 2, stride = k_dim * esize, dp = dtype == F32 ? d : (d + 1) / 2 * 2;
+  const bool paired = dtype != F32 && pairs;
+  char* out = reinterpret_cast<char*>(dst);
+  int64_t len = 1;
+  for (int64_t i = 0; i < count; i += len) {
+    for (len = 1; i + len < count && rows[i + len] == rows[i] + len * esize; ++len) {
+    }
+    const char* at = rows[i];
+    if (paired)
+      for (int64_t w = 0; w < dp / 2; ++w)
+        interleave16(at + 2 * w * stride, 2 * w + 1 < d ? at + (2 * w + 1) * stride : nullptr,
+                     reinterpret_cast<uint16_t*>(dst + w * BT + i), len);
+    else
+      for (int64_t c = 0; c < d; ++c) __builtin_memcpy(out + (c * BT + i) * esize, at + c * stride, size_t(len * esize));
+  }
+  if (paired) {
+    for (int64_t w = 0; w < dp / 2; ++w)
+      for (int64_t r = count; r < padded; ++r) dst[w * BT + r] = 0;
+    return;
+  }
+  for (int64_t c = 0; c < dp; ++c)
+    __builtin_memset(out + (c * BT + (c < d ? count : 0)) * esize, 0, size_t((c < d ? padded - count : padded) * esize));
+}
+
 // A 16-bit K^T tile from VNNI pairs to plain rows, in place: word row w (BT pairs) becomes value rows 2w
 // and 2w + 1 (BT values each), which occupy the same bytes.
 static void unpair_kt(int64_t words, int64_t padded, uint32_t* kt) {
@@ -200,8 +231,12 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       kr[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
       vr[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
     }
-    pack_kt(kr, count, padded, words, !wide && (d % 2), kt);
-    if (!wide && !p.b_pairs) unpair_kt(words, padded, kt);
+    if (p.k_dim != 1) {
+      pack_kt_dims(kr, count, padded, d, p.k_dim, p.dtype, p.b_pairs, kt);
+    } else {
+      pack_kt(kr, count, padded, words, !wide && (d % 2), kt);
+      if (!wide && !p.b_pairs) unpair_kt(words, padded, kt);
+    }
     pack_v(vr, count, padded, dv, p.dtype, p.b_pairs, vt);
     // The next tile's rows into L2, all at once once this tile is packed (token-major rows that no
     // hardware prefetcher follows): they arrive during this tile's GEMMs. On a Zen 4, bf16 T 64 after

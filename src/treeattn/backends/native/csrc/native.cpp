@@ -417,10 +417,8 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     for (int64_t i = 0; i < flat.numel(); ++i) sinks2[size_t(i)] = float(flat.data_ptr<float>()[i] / std::log(2.0));
     p.sinks2 = sinks2.data();
   }
-  // The brgemm paths pack K from contiguous rows: a dims-major K runs the same CPU's FMA path instead.
-  const std::string path = p.k_dim != 1 && is_brgemm(isa) ? isa.substr(std::string("brgemm-").size()) : isa;
-  p.b_pairs = is_brgemm(path) && p.dtype != F32 && brgemm_b_pairs(p.dtype);
-  run(p, meta.size(1), path);
+  p.b_pairs = is_brgemm(isa) && p.dtype != F32 && brgemm_b_pairs(p.dtype);
+  run(p, meta.size(1), isa);
 }
 
 // Base-2 LSE merge of two partial results, elementwise over rows x heads; out/lse may alias a.
