@@ -25,21 +25,26 @@ static inline float* aligned(float* at) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(at) + 4 * ALIGN - 1) & ~uintptr_t(4 * ALIGN - 1));
 }
 
-// Whether a stored row of n values of dtype holds an inf or NaN (all exponent bits set).
+// Whether a stored row of n values of dtype holds an inf or NaN (all exponent bits set). No early exit:
+// the loops vectorise (value by value, the test took a fifth of a 16-bit prefill's time outside the GEMMs).
 static bool nonfinite_row(const char* row, int32_t dtype, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) {
-    if (dtype == F32) {
+  if (dtype == F32) {
+    uint32_t bad = 0;
+    for (int64_t e = 0; e < n; ++e) {
       uint32_t u;
       __builtin_memcpy(&u, row + 4 * e, 4);
-      if ((u & 0x7f800000u) == 0x7f800000u) return true;
-    } else {
-      uint16_t u;
-      __builtin_memcpy(&u, row + 2 * e, 2);
-      const uint16_t exp = dtype == BF16 ? 0x7f80u : 0x7c00u;
-      if ((u & exp) == exp) return true;
+      bad |= (u & 0x7f800000u) == 0x7f800000u;
     }
+    return bad;
   }
-  return false;
+  const uint16_t exp = dtype == BF16 ? 0x7f80u : 0x7c00u;
+  uint16_t bad = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    uint16_t u;
+    __builtin_memcpy(&u, row + 2 * e, 2);
+    bad |= (u & exp) == exp;
+  }
+  return bad;
 }
 
 // K^T of a tile: `words` 32-bit words of each of `count` key rows into dst[word][BT] (keys past
