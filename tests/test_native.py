@@ -145,6 +145,26 @@ def test_row_blocks_read_tree_keys_only_up_to_their_last_ancestor(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_that_see_no_key_of_a_tile_skip_it(isa, dtype):
+    """Without GQA a row block holds 512 tokens (brgemm) and spans several key tiles: on a tile of tree
+    keys, the rows that enter the DFS before all of its keys skip it (a prefill's upper triangle), and a
+    tile no row of the block sees is skipped whole (a forest's other tree). Chains, a forest of two chains,
+    a level-order tree, a reversed chain (its late rows enter first), ragged and paged with K dims-major."""
+    forest_ = forest(chain(450), chain(500))
+    batch = make_batch([Request(chain(1100), prefix=33), Request(forest_, prefix=7), Request(binary(900), prefix=2)],
+                       h_q=2, h_kv=2, d=32, dtype=dtype, seed=8, page_size=16)
+    want = reference(batch)
+    assert_close_to_reference(*native(batch, isa), *want, dtype)
+    assert_close_to_reference(*native(batch, isa, layouts(batch)["K dims-major"]), *want, dtype)
+    n = 900
+    reversed_chain = make_batch([Request(chain(n), prefix=10)], h_q=1, h_kv=1, d=32, dtype=dtype, seed=9)
+    reversed_chain.tree_order[:] = torch.stack([n - 1 - torch.arange(n), torch.full((n,), n)], 1).to(
+        reversed_chain.tree_order.dtype)
+    assert_close_to_reference(*native(reversed_chain, isa), *reference(reversed_chain), dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("window", [2, 8, 100])
 def test_window_over_a_tree_not_numbered_parents_first(isa, window):
     """A valid tree_order need not number parents first: a node deeper than its index sits at a position

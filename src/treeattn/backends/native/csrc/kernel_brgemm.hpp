@@ -162,6 +162,10 @@ static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) 
 // Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16). 16-bit items stay: bf16 on AMX ran 1.25-1.5x at 3-4.
 constexpr int64_t FEW_F32_ROWS = 8;
 
+// A tile's GEMMs start at a multiple of this many rows (see run): M takes few values, and oneDNN
+// compiles a kernel per shape.
+constexpr int64_t ROW_STEP = 64;
+
 static void run(const Problem& p, const Item& it, float* scratch) {
   const bool wide = p.dtype == F32;  // 32-bit elements
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, esize = wide ? 4 : 2;
@@ -232,6 +236,21 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   const typename V::T cap = V::set1(p.cap2), scale = V::set1(p.q_scale), minus_inf = V::set1(-__builtin_inff());
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += BT) {
     const int64_t count = imin(BT, it.c1 - j0), padded = (count + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    // A row sees only its ancestors, which enter the DFS before it: on a tile of tree keys, the rows
+    // that enter before all of its keys see none of them, so the GEMMs and the softmax start at the first
+    // row that may see one (rounded down to ROW_STEP rows: few GEMM shapes). A prefill's chain in one
+    // row block then skips its diagonal tiles' upper triangle; a tile no row sees is skipped whole.
+    int64_t first = 0;
+    if (n > 0 && j0 >= tree_lo) {
+      int32_t lowest = ALWAYS;
+      for (int64_t i = 0; i < count; ++i) {
+        const int32_t e = order[2 * (j0 + i - tree_lo)];
+        lowest = e < lowest ? e : lowest;
+      }
+      while (first < rows && enter[first] < lowest) ++first;
+      if (first == rows) continue;
+      first = first / ROW_STEP * ROW_STEP;
+    }
     for (int64_t i = 0; i < count; ++i) {
       kr[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
       vr[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
@@ -249,7 +268,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     // prefetches stalled it about as long as they saved; issued before this tile's packing, they slowed
     // it on a Sapphire Rapids.
     prefetch_keys(p, it, j0 + BT, j0 + 2 * BT);
-    brgemm(p.dtype, mp, padded, dp, dp, BT, BT, false, qa, kt, s);
+    brgemm(p.dtype, mp - first, padded, dp, dp, BT, BT, false, qa + first * dp * esize, kt, s + first * BT);
 
     // Visibility (as in kernel.hpp), on tiles holding keys some row cannot see: tree keys, the window's
     // ragged edge, and the padding keys of a short tile. An invisible score becomes -inf (probability 0);
@@ -331,7 +350,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
       return exp_pass(r, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
     };
-    for (int64_t r0 = 0; r0 < rows; r0 += V::W) {
+    for (int64_t r0 = first; r0 < rows; r0 += V::W) {
       const int64_t nr = imin(V::W, rows - r0);
       alignas(64) float totals[V::W];
       float was[V::W];
@@ -357,11 +376,12 @@ static void run(const Problem& p, const Item& it, float* scratch) {
         l[r] += totals[k];
       }
     }
-    brgemm(p.dtype, mp, dv, padded, BT, dv, dv, true, wide ? static_cast<const void*>(pf) : pa, vt, o);
+    brgemm(p.dtype, mp - first, dv, padded, BT, dv, dv, true,
+           wide ? static_cast<const void*>(pf + first * BT) : pa + first * BT, vt, o + first * dv);
     for (int64_t k = 0; k < nbad; ++k) {
       const int64_t i = bad[k];
       load_row(vr[i], p.dtype, 0, dv, orow);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = first; r < rows; ++r) {
         if (!(klo[i] <= enter[r] && enter[r] < khi[i] && wlo[i] <= row_lo[r] && row_lo[r] < whi[i])) continue;
         const float pr = wide ? pf[r * BT + i]
                               : p.dtype == BF16 ? bf16_to_float(pa[r * BT + i]) : half_to_float(pa[r * BT + i]);
