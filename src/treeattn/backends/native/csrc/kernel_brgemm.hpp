@@ -162,8 +162,8 @@ static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) 
 // Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16). 16-bit items stay: bf16 on AMX ran 1.25-1.5x at 3-4.
 constexpr int64_t FEW_F32_ROWS = 8;
 
-// A tile's GEMMs start at a multiple of this many rows (see run): M takes few values, and oneDNN
-// compiles a kernel per shape.
+// A tile's rows go through its GEMMs and softmax in chunks of this many (see run): each chunk reads only
+// the keys its rows may see, and M takes few values (oneDNN compiles a kernel per shape).
 constexpr int64_t ROW_STEP = 64;
 
 static void run(const Problem& p, const Item& it, float* scratch) {
@@ -236,21 +236,20 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   const typename V::T cap = V::set1(p.cap2), scale = V::set1(p.q_scale), minus_inf = V::set1(-__builtin_inff());
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += BT) {
     const int64_t count = imin(BT, it.c1 - j0), padded = (count + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
-    // A row sees only its ancestors, which enter the DFS before it: on a tile of tree keys, the rows
-    // that enter before all of its keys see none of them, so the GEMMs and the softmax start at the first
-    // row that may see one (rounded down to ROW_STEP rows: few GEMM shapes). A prefill's chain in one
-    // row block then skips its diagonal tiles' upper triangle; a tile no row sees is skipped whole.
-    int64_t first = 0;
-    if (n > 0 && j0 >= tree_lo) {
-      int32_t lowest = ALWAYS;
-      for (int64_t i = 0; i < count; ++i) {
-        const int32_t e = order[2 * (j0 + i - tree_lo)];
-        lowest = e < lowest ? e : lowest;
-      }
-      while (first < rows && enter[first] < lowest) ++first;
-      if (first == rows) continue;
-      first = first / ROW_STEP * ROW_STEP;
-    }
+    // Keys a row may see: its ancestors, which enter the DFS before it. Rows [r0, r1) see no key of this
+    // tile past the last one that enters no later than the latest of them (prefix keys: every row): the
+    // GEMMs and the softmax of a chunk of ROW_STEP rows stop there, rounded up to KEY_TILE keys (few GEMM
+    // shapes), so a chain's diagonal tile is cut in steps (a prefill's upper triangle), and a tile no row
+    // sees is skipped whole. 0: none.
+    auto seen = [&](int64_t r0, int64_t r1) {
+      if (n == 0 || j0 + count <= tree_lo) return padded;
+      int32_t top = -1;
+      for (int64_t r = r0; r < r1; ++r) top = enter[r] > top ? enter[r] : top;
+      int64_t i = count - 1;
+      while (i >= 0 && j0 + i >= tree_lo && order[2 * (j0 + i - tree_lo)] > top) --i;
+      return i < 0 ? int64_t(0) : imin(padded, (i + KEY_TILE) / KEY_TILE * KEY_TILE);
+    };
+    if (seen(0, rows) == 0) continue;
     for (int64_t i = 0; i < count; ++i) {
       kr[i] = static_cast<const char*>(p.k) + key_offset(p, b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h) * esize;
       vr[i] = static_cast<const char*>(p.v) + key_offset(p, b, j0 + i, p.v_page, p.v_tok, p.v_head, it.h) * esize;
@@ -268,7 +267,6 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     // prefetches stalled it about as long as they saved; issued before this tile's packing, they slowed
     // it on a Sapphire Rapids.
     prefetch_keys(p, it, j0 + BT, j0 + 2 * BT);
-    brgemm(p.dtype, mp - first, padded, dp, dp, BT, BT, false, qa + first * dp * esize, kt, s + first * BT);
 
     // Visibility (as in kernel.hpp), on tiles holding keys some row cannot see: tree keys, the window's
     // ragged edge, and the padding keys of a short tile. An invisible score becomes -inf (probability 0);
@@ -301,13 +299,14 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     const bool raw = !masked && p.cap2 == 0.0f;
     const float unit = raw ? p.q_scale : 1.0f;
     const typename V::T vunit = V::set1(unit);
-    // Row r's exponentials against shift into P, its scores' max into top; returns their sum in lanes.
-    auto exp_pass = [&](int64_t r, float shift, typename V::T& top) {
+    // Row r's exponentials of its first `width` keys against shift into P, its scores' max into top;
+    // returns their sum in lanes.
+    auto exp_pass = [&](int64_t r, int64_t width, float shift, typename V::T& top) {
       const float* sr = s + r * BT;
       const typename V::T vshift = V::set1(-shift);
       typename V::T sum = V::zero();
       auto loop = [&](auto exp, auto store) {  // one loop per dtype: no branch per vector
-        for (int64_t i = 0; i < padded; i += V::W) {
+        for (int64_t i = 0; i < width; i += V::W) {
           const typename V::T x = V::load(sr + i), e = exp(V::fma(x, vunit, vshift));
           top = V::max(top, x);
           sum = V::add(sum, e);
@@ -317,25 +316,26 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       if (wide) loop([](typename V::T x) { return V::exp2(x); }, [&](int64_t i, typename V::T e) { V::store(pf + r * BT + i, e); });
       else if (p.dtype == F16)
         loop([](typename V::T x) { return V::exp2_16(x); }, [&](int64_t i, typename V::T e) { V::store_f16(pa + r * BT + i, e); });
-      else sum = V::exp_row_bf16(sr, padded, vunit, vshift, pa + r * BT, top);
+      else sum = V::exp_row_bf16(sr, width, vunit, vshift, pa + r * BT, top);
       return sum;
     };
-    // Row r's probabilities, their sum in lanes; m[r] updated (it changes only when the shift moves).
-    auto row_pass = [&](int64_t r) {
+    // Row r's probabilities (of its first `width` keys), their sum in lanes; m[r] updated (it changes only
+    // when the shift moves).
+    auto row_pass = [&](int64_t r, int64_t width) {
       float* sr = s + r * BT;
       const float was = m[r];
       typename V::T top = minus_inf;
       if (raw && was != -__builtin_inff()) {
-        const typename V::T sum = exp_pass(r, was, top);
+        const typename V::T sum = exp_pass(r, width, was, top);
         const float row_top = V::reduce_max(top) * unit;
         if (!(row_top > was + SLACK)) return sum;
         m[r] = row_top;
-        return exp_pass(r, row_top, top);
+        return exp_pass(r, width, row_top, top);
       }
       if (raw) {
-        for (int64_t i = 0; i < padded; i += V::W) top = V::max(top, V::load(sr + i));
+        for (int64_t i = 0; i < width; i += V::W) top = V::max(top, V::load(sr + i));
       } else {
-        for (int64_t i = 0; i < padded; i += V::W) {
+        for (int64_t i = 0; i < width; i += V::W) {
           typename V::T x = V::mul(V::load(sr + i), scale);
           if (p.cap2 != 0.0f) x = V::mul(tanh_approx(x), cap);
           if (masked)
@@ -348,40 +348,48 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       const float row_top = V::reduce_max(top) * unit;
       if (row_top > was + SLACK) m[r] = row_top;
       // A row that has seen no visible key yet keeps max -inf: subtract 0 instead (exp2(-inf) = 0).
-      return exp_pass(r, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
+      return exp_pass(r, width, m[r] == -__builtin_inff() ? 0.0f : m[r], top);
     };
-    for (int64_t r0 = first; r0 < rows; r0 += V::W) {
-      const int64_t nr = imin(V::W, rows - r0);
-      alignas(64) float totals[V::W];
-      float was[V::W];
-      typename V::T sums[V::W];
-      for (int64_t k = 0; k < V::W; ++k) sums[k] = V::zero();
-      for (int64_t k = 0; k < nr; ++k) {
-        was[k] = m[r0 + k];
-        sums[k] = row_pass(r0 + k);
-      }
-      V::store(totals, V::sum_lanes(sums));
-      for (int64_t k = 0; k < nr; ++k) {
-        const int64_t r = r0 + k;
-        if (m[r] != was[k]) {  // the shift moved: l and O were summed against the old one
-          float lanes[V::W];
-          V::store(lanes, V::exp2(V::set1(was[k] - m[r])));
-          const float a = was[k] == -__builtin_inff() ? 0.0f : lanes[0];
-          float* orr = o + r * dv;
-          int64_t c = 0;
-          for (; c + V::W <= dv; c += V::W) V::store(orr + c, V::mul(V::load(orr + c), V::set1(a)));
-          for (; c < dv; ++c) orr[c] *= a;
-          l[r] *= a;
+    // Chunk by chunk of rows: S = Q K^T up to the keys the chunk may see, the softmax, O += P V. A tile of
+    // prefix keys only, which every row sees, runs all rows at once (in chunks, a 512-row item ran 0.97x).
+    const int64_t step = n > 0 && j0 + count > tree_lo ? ROW_STEP : mp;
+    for (int64_t c0 = 0; c0 < rows; c0 += step) {
+      const int64_t c1 = imin(c0 + step, rows), m_rows = imin(c0 + step, mp) - c0, width = seen(c0, c1);
+      if (width == 0) continue;
+      brgemm(p.dtype, m_rows, width, dp, dp, BT, BT, false, qa + c0 * dp * esize, kt, s + c0 * BT);
+      for (int64_t r0 = c0; r0 < c1; r0 += V::W) {
+        const int64_t nr = imin(V::W, c1 - r0);
+        alignas(64) float totals[V::W];
+        float was[V::W];
+        typename V::T sums[V::W];
+        for (int64_t k = 0; k < V::W; ++k) sums[k] = V::zero();
+        for (int64_t k = 0; k < nr; ++k) {
+          was[k] = m[r0 + k];
+          sums[k] = row_pass(r0 + k, width);
         }
-        l[r] += totals[k];
+        V::store(totals, V::sum_lanes(sums));
+        for (int64_t k = 0; k < nr; ++k) {
+          const int64_t r = r0 + k;
+          if (m[r] != was[k]) {  // the shift moved: l and O were summed against the old one
+            float lanes[V::W];
+            V::store(lanes, V::exp2(V::set1(was[k] - m[r])));
+            const float a = was[k] == -__builtin_inff() ? 0.0f : lanes[0];
+            float* orr = o + r * dv;
+            int64_t c = 0;
+            for (; c + V::W <= dv; c += V::W) V::store(orr + c, V::mul(V::load(orr + c), V::set1(a)));
+            for (; c < dv; ++c) orr[c] *= a;
+            l[r] *= a;
+          }
+          l[r] += totals[k];
+        }
       }
+      brgemm(p.dtype, m_rows, dv, width, BT, dv, dv, true,
+             wide ? static_cast<const void*>(pf + c0 * BT) : pa + c0 * BT, vt, o + c0 * dv);
     }
-    brgemm(p.dtype, mp - first, dv, padded, BT, dv, dv, true,
-           wide ? static_cast<const void*>(pf + first * BT) : pa + first * BT, vt, o + first * dv);
     for (int64_t k = 0; k < nbad; ++k) {
       const int64_t i = bad[k];
       load_row(vr[i], p.dtype, 0, dv, orow);
-      for (int64_t r = first; r < rows; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         if (!(klo[i] <= enter[r] && enter[r] < khi[i] && wlo[i] <= row_lo[r] && row_lo[r] < whi[i])) continue;
         const float pr = wide ? pf[r * BT + i]
                               : p.dtype == BF16 ? bf16_to_float(pa[r * BT + i]) : half_to_float(pa[r * BT + i]);
