@@ -49,6 +49,16 @@ def test_paged_layouts_and_head_dims(isa, page_size, head_dim):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [3, 16, 64])
+def test_dims_major_k_as_keys_in_the_lanes(isa, dtype, page_size):
+    """A dims-major K (vLLM's CPU cache) is read as K^T, the keys in the lanes: in place (fp32 tiles within
+    one page) or copied a run of contiguous keys at a time (16-bit, tiles across pages, pages of 3 keys)."""
+    batch = make_batch(REQUESTS, h_q=4, h_kv=1, d=24, dtype=dtype, seed=page_size, page_size=page_size)
+    assert_close_to_reference(*native(batch, isa, layouts(batch)["K dims-major"]), *reference(batch), dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("variant", ["dominant sinks", "window + softcap + sinks"])
 def test_long_prefix_split_across_threads(isa, variant):
     """Two requests on one KV head are fewer items than the threads, with enough work to run in parallel

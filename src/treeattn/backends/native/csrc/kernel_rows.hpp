@@ -31,23 +31,40 @@ struct RowTile {
 
 static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// The tile of keys [j0, j0 + count) of item `it` in K (or V): in place where it can be, else packed
-// into buf ([round_up(count, W)][round_up(width, W)]).
-static RowTile row_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t dim,
-                        int64_t width, const Item& it, int64_t j0, int64_t count, float* buf) {
+// The tile of keys [j0, j0 + count) of item `it` in K (rows: head dims contiguous) or V: in place where
+// it can be, else packed into buf ([round_up(count, W)][round_up(width, W)]).
+static RowTile row_tile(const Problem& p, const void* base, int64_t page, int64_t tok, int64_t head, int64_t width,
+                        const Item& it, int64_t j0, int64_t count, float* buf) {
   const int64_t wp = round_up(width, V::W);
   const bool even = p.page_size == 0 || j0 / p.page_size == (j0 + count - 1) / p.page_size;
-  if (p.dtype == F32 && dim == 1 && width == wp && count % V::W == 0 && even)
+  if (p.dtype == F32 && width == wp && count % V::W == 0 && even)
     return {static_cast<const float*>(base) + key_offset(p, it.b, j0, page, tok, head, it.h), tok};
-  if (dim != 1 && dims_major_f32(p))
-    pack_dims_major(p, it, j0, count, buf, wp);
   for (int64_t i = 0; i < count; ++i) {
-    if (dim == 1 || !dims_major_f32(p))
-      load_strided(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, dim, buf + i * wp);
+    load_row(base, p.dtype, key_offset(p, it.b, j0 + i, page, tok, head, it.h), width, buf + i * wp);
     for (int64_t c = width; c < wp; ++c) buf[i * wp + c] = 0.0f;
   }
   for (int64_t i = count * wp; i < round_up(count, V::W) * wp; ++i) buf[i] = 0.0f;
   return {buf, wp};
+}
+
+// K^T of the tile of keys [j0, j0 + count) from a dims-major K (Problem::k_dim; vLLM's CPU cache): dim c's
+// keys at base + c * stride, keys in the lanes. In place for fp32 keys contiguous in memory (one page);
+// else each dim's keys copied (widened from 16 bits) a run of contiguous keys at a time into buf
+// ([d][KEY_TILE]), keys past count zero up to a multiple of W.
+static RowTile dims_tile(const Problem& p, const Item& it, int64_t j0, int64_t count, float* buf) {
+  const int64_t padded = round_up(count, V::W);
+  auto offset = [&](int64_t j) { return key_offset(p, it.b, j, p.k_page, p.k_tok, p.k_head, it.h); };
+  int64_t len = 1;
+  for (int64_t i = 0; i < count; i += len) {
+    const int64_t at = offset(j0 + i);
+    for (len = 1; i + len < count && offset(j0 + i + len) == at + len; ++len) {
+    }
+    if (p.dtype == F32 && len == count && count == padded) return {static_cast<const float*>(p.k) + at, p.k_dim};
+    for (int64_t c = 0; c < p.d; ++c) load_row(p.k, p.dtype, at + c * p.k_dim, len, buf + c * KEY_TILE + i);
+  }
+  for (int64_t c = 0; c < p.d; ++c)
+    for (int64_t i = count; i < padded; ++i) buf[c * KEY_TILE + i] = 0.0f;
+  return {buf, KEY_TILE};
 }
 
 // s[i0 .. i0 + W) = q . K[i0 + i] for the W keys from i0 (q and K's rows dp wide, dp a multiple of W).
@@ -60,6 +77,56 @@ __attribute__((always_inline)) static inline void qk_keys(const float* q, RowTil
     for (int i = 0; i < V::W; ++i) acc[i] = V::fma(V::load(rows + i * k.stride + c), qc, acc[i]);
   }
   V::store(s, V::sum_lanes(acc));
+}
+
+// s[r][i0 .. i0 + KB * W) = q[r] . K[i0 + i] for NR rows (q rows dp apart, s rows ss apart) from K^T (dim
+// c's keys at kt.base + c * kt.stride): the keys fill the lanes, each dim's vectors are loaded once for
+// every row, and the NR * KB accumulators are independent chains.
+template <int NR, int KB>
+__attribute__((always_inline)) static inline void qk_dims(RowTile kt, int64_t d, const float* q, int64_t dp,
+                                                           int64_t i0, float* s, int64_t ss) {
+  typename V::T acc[NR][KB];
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < KB; ++k) acc[r][k] = V::zero();
+  for (int64_t c = 0; c < d; ++c) {
+    typename V::T kv[KB];
+    for (int k = 0; k < KB; ++k) kv[k] = V::load(kt.base + c * kt.stride + i0 + k * V::W);
+    for (int r = 0; r < NR; ++r) {
+      const typename V::T qc = V::bcast(q + r * dp + c);
+      for (int k = 0; k < KB; ++k) acc[r][k] = V::fma(qc, kv[k], acc[r][k]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int k = 0; k < KB; ++k) V::store(s + r * ss + i0 + k * V::W, acc[r][k]);
+}
+
+// f(r, Rows<NR>()) for blocks of NR rows from r: fours, then the 3, 2 or 1 left (NR a compile-time
+// constant, so that each block size gets its own unrolled code; a tag of this namespace, not the standard
+// library's: see problem.h).
+template <int N>
+struct Rows {
+  static constexpr int value = N;
+};
+template <typename F>
+static inline void by_four_rows(int64_t rows, F f) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) f(r, Rows<4>());
+  switch (rows - r) {
+    case 3: f(r, Rows<3>()); break;
+    case 2: f(r, Rows<2>()); break;
+    case 1: f(r, Rows<1>()); break;
+    default: break;
+  }
+}
+
+// Every row's scores over the tile's `padded` keys from K^T, four rows and two vectors of keys at a time.
+static void qk_dims_all(RowTile kt, int64_t d, const float* q, int64_t dp, int64_t padded, float* s, int64_t ss,
+                        int64_t rows) {
+  int64_t i0 = 0;
+  for (; i0 + 2 * V::W <= padded; i0 += 2 * V::W)
+    by_four_rows(rows, [&](int64_t r, auto nr) { qk_dims<decltype(nr)::value, 2>(kt, d, q + r * dp, dp, i0, s + r * ss, ss); });
+  for (; i0 < padded; i0 += V::W)
+    by_four_rows(rows, [&](int64_t r, auto nr) { qk_dims<decltype(nr)::value, 1>(kt, d, q + r * dp, dp, i0, s + r * ss, ss); });
 }
 
 // o[c0 .. c0 + CB * W) = alpha * o + sum_i p[i] * V[i][c0 ..], over the tile's `count` keys; with `keep`
@@ -120,14 +187,9 @@ static inline void pv_rows(RowTile v, int64_t dvp, const float* p, int64_t ps, i
 // Every row's PV of a tile, four rows at a time.
 static void pv_all(RowTile v, int64_t dvp, const float* p, int64_t ps, int64_t count, const float* alpha, float* o,
                    int64_t os, int64_t rows) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) pv_rows<4>(v, dvp, p + r * ps, ps, count, alpha + r, o + r * os, os);
-  switch (rows - r) {
-    case 3: pv_rows<3>(v, dvp, p + r * ps, ps, count, alpha + r, o + r * os, os); break;
-    case 2: pv_rows<2>(v, dvp, p + r * ps, ps, count, alpha + r, o + r * os, os); break;
-    case 1: pv_rows<1>(v, dvp, p + r * ps, ps, count, alpha + r, o + r * os, os); break;
-    default: break;
-  }
+  by_four_rows(rows, [&](int64_t r, auto nr) {
+    pv_rows<decltype(nr)::value>(v, dvp, p + r * ps, ps, count, alpha + r, o + r * os, os);
+  });
 }
 
 // The item, in scratch of few_rows_floats(p, rows) floats (problem.h).
@@ -178,8 +240,11 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
   const typename V::T cap = V::set1(p.cap2), minus_inf = V::set1(-__builtin_inff());
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += kt) {
     const int64_t count = imin(kt, it.c1 - j0), padded = round_up(count, V::W);
-    const RowTile kt_rows = row_tile(p, p.k, p.k_page, p.k_tok, p.k_head, p.k_dim, d, it, j0, count, kbuf);
-    const RowTile vt_rows = p.v_in_k ? kt_rows : row_tile(p, p.v, p.v_page, p.v_tok, p.v_head, 1, dv, it, j0, count, vbuf);
+    // K as rows (head dims in the lanes), or dims-major as K^T (keys in the lanes); V as rows.
+    const bool dims = p.k_dim != 1;
+    const RowTile kt_rows = dims ? dims_tile(p, it, j0, count, kbuf)
+                                 : row_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, kbuf);
+    const RowTile vt_rows = p.v_in_k ? kt_rows : row_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf);
     // Visibility (see run_item): tree keys by DFS interval, window edges by position; the padding keys
     // of a last tile are seen by no row.
     const bool edged = p.window && j0 < edge, in_tree = n > 0 && j0 + count > tree_lo;
@@ -199,8 +264,9 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
     // Scores of every row, a vector of keys at a time: the rows share each K chunk while it is in L1.
     for (int64_t i0 = 0; i0 < padded; i0 += V::W) {
       prefetch_keys(p, it, j0 + kt + i0, j0 + kt + i0 + V::W);  // the next tile's, spread over this one
-      for (int64_t r = 0; r < rows; ++r) qk_keys(q + r * dp, kt_rows, i0, dp, s + r * kt + i0);
+      for (int64_t r = 0; !dims && r < rows; ++r) qk_keys(q + r * dp, kt_rows, i0, dp, s + r * kt + i0);
     }
+    if (dims) qk_dims_all(kt_rows, d, q, dp, padded, s, kt, rows);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * kt;
       typename V::T top = minus_inf;
