@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from treeattn import PagedKV, prepare_paged_tree_attention
 from treeattn.cli.machine import describe_cpu
+from treeattn.vllm.backend import shared_cpu_isa
 from treeattn.vllm.batch import split_kv_cache, step_plan
 
 H_Q, H_KV, D, PAGE, PAGES = 9, 3, 64, 128, 200
@@ -55,8 +56,10 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
     qsl = np.arange(requests + 1) * new
     seq_lens = np.full(requests, context)
     table = np.arange(requests * 8).reshape(requests, 8) % PAGES
-    k, v = split_kv_cache(torch.randn(PAGES, H_KV, PAGE, 2 * D, dtype=dtype))
-    pages = PagedKV.wrap((k, v), "HND")
+    cache = torch.randn(PAGES, H_KV, PAGE, 2 * D, dtype=dtype)
+    k, v = split_kv_cache(cache)  # CPU_ATTN takes the two halves of each cell
+    # treeattn reads the cells as vLLM's backend does: K dims-major where vLLM's vec / vec16 kernel owns them
+    pages = PagedKV.wrap(split_kv_cache(cache, shared_cpu_isa(dtype, PAGE, D, "cpu") is not None), "HND")
     q = torch.randn(requests * new, H_Q, D, dtype=dtype)
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
 
