@@ -267,6 +267,14 @@ def test_scores_rising_and_falling_along_the_prefix(isa, dtype):
     assert_close_to_reference(*native(batch, isa, sinks=sinks), *reference(batch, sinks=sinks), dtype)
 
 
+def assert_only_row_nan(out, lse, want, row: int, dtype) -> None:
+    """Query row ``row`` is all NaN; every other row matches ``want`` (out, lse)."""
+    assert out[row].isnan().all()
+    clean = torch.ones(out.shape[0], dtype=torch.bool)
+    clean[row] = False
+    assert_close_to_reference(out[clean], lse[clean], want[0][clean], want[1][clean], dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("isa", ISAS)
 def test_hidden_nan_keys_do_not_leak(isa, dtype):
@@ -278,15 +286,17 @@ def test_hidden_nan_keys_do_not_leak(isa, dtype):
     want = reference(batch)
     batch.k[9 + 3] = float("nan")  # the last node of the first chain: only it sees itself
     batch.v[9 + 3] = float("nan")
-    out, lse = native(batch, isa)
-    assert out[3].isnan().all()
-    clean = torch.ones(8, dtype=torch.bool)
-    clean[3] = False
-    assert_close_to_reference(out[clean], lse[clean], want[0][clean], want[1][clean], dtype)
+    assert_only_row_nan(*native(batch, isa), want, 3, dtype)
     seen = make_batch([Request(chain(3), prefix=600)], h_q=4, h_kv=2, d=16, seed=6, dtype=dtype)
     seen.k[5, 0] = float("nan")  # a prefix key of KV head 0, in the first (unmasked) tile
     out, lse = native(seen, isa)
     assert out[:, :2].isnan().all() and not out[:, 2:].isnan().any()
+    # An item of 400 rows (the brgemm paths run a tile of tree keys 64 rows at a time, each chunk up to
+    # the keys it may see): NaN in V of the first chain's last node reaches only that node's row.
+    wide = make_batch([Request(forest(chain(30), chain(70)), prefix=5)], h_q=8, h_kv=2, d=16, seed=7, dtype=dtype)
+    want = reference(wide)
+    wide.v[5 + 29] = float("nan")
+    assert_only_row_nan(*native(wide, isa), want, 29, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
