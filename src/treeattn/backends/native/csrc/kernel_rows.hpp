@@ -79,23 +79,32 @@ __attribute__((always_inline)) static inline void qk_keys(const float* q, RowTil
   V::store(s, V::sum_lanes(acc));
 }
 
+// acc[r][k] += sum_c a[r * as + c] * b[c * bs + k * W], c < n: NR rows of `a` against rows of `b`, a
+// vector each, one row of b loaded once for every row of a; the NR * KB accumulators are independent
+// chains (one row's would wait on the FMA latency). The scores of a dims-major K (a = Q, b = K^T: keys in
+// the lanes) and the P V product (a = P, b = V) are both this.
+template <int NR, int KB>
+__attribute__((always_inline)) static inline void rank1_rows(const float* a, int64_t as, const float* b, int64_t bs,
+                                                              int64_t n, typename V::T (&acc)[NR][KB]) {
+  for (int64_t c = 0; c < n; ++c) {
+    typename V::T bv[KB];
+    for (int k = 0; k < KB; ++k) bv[k] = V::load(b + c * bs + k * V::W);
+    for (int r = 0; r < NR; ++r) {
+      const typename V::T ac = V::bcast(a + r * as + c);
+      for (int k = 0; k < KB; ++k) acc[r][k] = V::fma(ac, bv[k], acc[r][k]);
+    }
+  }
+}
+
 // s[r][i0 .. i0 + KB * W) = q[r] . K[i0 + i] for NR rows (q rows dp apart, s rows ss apart) from K^T (dim
-// c's keys at kt.base + c * kt.stride): the keys fill the lanes, each dim's vectors are loaded once for
-// every row, and the NR * KB accumulators are independent chains.
+// c's keys at kt.base + c * kt.stride).
 template <int NR, int KB>
 __attribute__((always_inline)) static inline void qk_dims(RowTile kt, int64_t d, const float* q, int64_t dp,
                                                            int64_t i0, float* s, int64_t ss) {
   typename V::T acc[NR][KB];
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < KB; ++k) acc[r][k] = V::zero();
-  for (int64_t c = 0; c < d; ++c) {
-    typename V::T kv[KB];
-    for (int k = 0; k < KB; ++k) kv[k] = V::load(kt.base + c * kt.stride + i0 + k * V::W);
-    for (int r = 0; r < NR; ++r) {
-      const typename V::T qc = V::bcast(q + r * dp + c);
-      for (int k = 0; k < KB; ++k) acc[r][k] = V::fma(qc, kv[k], acc[r][k]);
-    }
-  }
+  rank1_rows<NR, KB>(q, dp, kt.base + i0, kt.stride, d, acc);
   for (int r = 0; r < NR; ++r)
     for (int k = 0; k < KB; ++k) V::store(s + r * ss + i0 + k * V::W, acc[r][k]);
 }
@@ -153,23 +162,14 @@ static void pv_row(RowTile v, int64_t dvp, const float* p, const float* keep, in
 }
 
 // PV for NR rows at once: o[r][c0 .. c0 + CB * W) = alpha[r] * o[r] + sum_i p[r][i] * V[i][c0 ..] over the
-// tile's `count` keys (p rows `ps` apart, o rows `os` apart). Each V row is loaded once for all NR rows,
-// and the NR * CB accumulators are independent chains (one row's CB chains would wait on the FMA latency).
+// tile's `count` keys (p rows `ps` apart, o rows `os` apart), through rank1_rows.
 template <int NR, int CB>
 static inline void pv_rows_dims(RowTile v, int64_t c0, const float* p, int64_t ps, int64_t count, const float* alpha,
                                 float* o, int64_t os) {
   typename V::T acc[NR][CB];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < CB; ++j) acc[r][j] = V::mul(V::load(o + r * os + c0 + j * V::W), V::set1(alpha[r]));
-  for (int64_t i = 0; i < count; ++i) {
-    const float* row = v.base + i * v.stride + c0;
-    typename V::T vj[CB];
-    for (int j = 0; j < CB; ++j) vj[j] = V::load(row + j * V::W);
-    for (int r = 0; r < NR; ++r) {
-      const typename V::T pi = V::bcast(p + r * ps + i);
-      for (int j = 0; j < CB; ++j) acc[r][j] = V::fma(pi, vj[j], acc[r][j]);
-    }
-  }
+  rank1_rows<NR, CB>(p, ps, v.base + c0, v.stride, count, acc);
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < CB; ++j) V::store(o + r * os + c0 + j * V::W, acc[r][j]);
 }
