@@ -61,7 +61,7 @@ def test_the_kernel_builds_where_a_compiler_is():
 
 def test_native_prefetches_compiled_in():
     """GCC takes a function whose only effects are prefetches for one without effects and deletes the calls
-    it does not inline: every call of prefetch_keys / prefetch_tile (the few-rows loop's next tile, the next
+    it does not inline: every call of prefetch_keys / prefetch_tile (the few-rows loops' next tile, the next
     work item's first keys) and the brgemm kernel's prefetch lambda was compiled out. The built module's
     code for each of them must hold prefetch instructions, on every kernel path."""
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not shutil.which("objdump"):
@@ -78,11 +78,14 @@ def test_native_prefetches_compiled_in():
         elif "\tprefetch" in line:
             prefetching.add(function)
 
-    def prefetches(name: str) -> bool:
-        return any(signature.startswith(name + "(") for signature in prefetching)
+    def prefetches(name: str) -> bool:  # a template's signature starts with its return type
+        return any(signature.removeprefix("void ").startswith(name + "(") for signature in prefetching)
 
     for isa in ("generic", "avx2", "avx512"):
-        assert prefetches(f"treeattn_native::{isa}::run_rows"), f"{isa}'s few-rows loop prefetches nothing"
+        assert prefetches(f"treeattn_native::{isa}::run_rows<treeattn_native::{isa}::NoPairs>"), \
+            f"{isa}'s few-rows loop prefetches nothing"
+    assert prefetches("treeattn_native::avx512::run_rows<treeattn_native::avx512::Pairs16>"), \
+        "the few-rows loop on bf16 pairs prefetches nothing"
     for isa in ("avx2", "avx512"):  # brgemm_item::run, or its one caller where the compiler inlined it there
         assert prefetches(f"treeattn_native::{isa}::brgemm_item::run") or prefetches(
             f"treeattn_native::run_item_brgemm_{isa}"), f"brgemm-{isa} prefetches nothing"

@@ -1,12 +1,16 @@
-"""The native kernel's items of few query rows: a decoding token (or two) of a GQA group, at most 8 rows per
-item, which the FMA paths run with rows outside the vectors (csrc/kernel_rows.hpp). Every code path this CPU
-has, forced, against the float64 reference (fresh random inputs, NaN-poisoned outputs): every variant; paged
-layouts whose tiles lie in one page (fp32 K/V read in place) or across pages (converted into a tile); head
-dims that are and are not whole vectors; 16-bit dtypes; a prefix split across threads; hidden NaN keys; MLA's
-V view of K. The other native tests mostly have more rows per item.
+"""The native kernel's items of few query rows: a decoding token (or two) of a GQA group, at most 16 rows per
+item, which the FMA paths run with rows outside the vectors (csrc/kernel_rows.hpp), as do the brgemm paths'
+fp32 items of at most 8 rows and, on AVX512-BF16 without AMX, their bf16 items in bf16 pairs
+(csrc/kernel_rows_bf16.hpp). Every code path this CPU has, forced, against the float64 reference (fresh random
+inputs, NaN-poisoned outputs): every variant; paged layouts whose tiles lie in one page (fp32 K/V read in
+place) or across pages (converted into a tile); head dims that are and are not whole vectors; 16-bit dtypes; a
+prefix split across threads; hidden NaN keys; MLA's V view of K. The other native tests mostly have more rows
+per item.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +114,59 @@ def test_mla_absorbed_form(isa, paged):
     kw = dict(logit_softcap=30.0, sinks=_sinks(4, 1.0, 5), sliding_window=40)
     out, lse = native(batch, isa, kv, sm_scale=d_k**-0.5, **kw)
     assert_close_to_reference(out, lse, *reference(batch, d_k**-0.5, **kw), torch.float32)
+
+
+FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+
+
+@pytest.mark.skipif(not FLAGS, reason="no /proc/cpuinfo to compare with")
+def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_without_amx():
+    """The tests below reach the bf16 pairs on such a CPU: the extension says it takes them."""
+    want = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= FLAGS and "amx_bf16" not in FLAGS
+    assert EXTENSION.module().bf16_pairs() == want
+
+
+# With 4 query heads per KV head: 4 to 16 rows per item (a decode after a page's worth of keys, trees of 2 and
+# 3 nodes, 4 new tokens); prefixes of whole and partial 32-key vectors, one key, none.
+PAIR_REQUESTS = [Request((), prefix=576, qo=1), Request(chain(2), prefix=150), Request(forest(chain(1), chain(2)), prefix=37),
+                 Request((), prefix=64, qo=4), Request(chain(1), prefix=1), Request(chain(1))]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout,page_size", [("ragged", 16), ("TVM", 16), ("K dims-major", 3), ("K dims-major", 16),
+                                              ("K dims-major", 128)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_items_of_few_rows_on_every_layout(isa, layout, page_size, head_dim):
+    """bf16 items of 4-16 rows with head dims of whole 32-value vectors (on the brgemm path of a CPU with
+    AVX512-BF16 and no AMX, in bf16 pairs): K as rows, or dims-major in place (a 128-key page holds whole
+    tiles) or copied (pages of 3 and 16 keys, a tile's partial vector)."""
+    batch = make_batch(PAIR_REQUESTS, h_q=8, h_kv=2, d=head_dim, dtype=torch.bfloat16, seed=head_dim + page_size,
+                       page_size=page_size)
+    assert 4 <= rows_per_item(batch) <= 16
+    kv = None if layout == "ragged" else layouts(batch)[layout]
+    got = native(batch, isa, kv, sm_scale=head_dim**-0.5)
+    assert_close_to_reference(*got, *reference(batch, head_dim**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("layout", ["ragged", "K dims-major"])
+def test_bf16_items_of_few_rows_keep_nan_to_the_rows_that_see_it(isa, layout):
+    """NaN in V of a tree key reaches only the row that sees it (the pairs take the tile's V widened, row by
+    row); a split prefix (two threads, one KV head) merges the chunks' results exactly."""
+    batch = make_batch([Request(forest(chain(2), chain(2)), prefix=70), Request((), prefix=8000, qo=2)], h_q=4,
+                       h_kv=1, d=128, dtype=torch.bfloat16, seed=7, page_size=16)
+    want = reference(batch)
+    key = 70 + 1  # the last node of the first chain: only it sees itself
+    batch.v[key] = float("nan")
+    page = batch.extra["page_indices"][batch.extra["page_indptr"][0] + key // 16]
+    batch.extra["kv_pages"][page, 1, :, key % 16] = float("nan")
+    kv = None if layout == "ragged" else layouts(batch)[layout]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, lse = native(batch, isa, kv)
+    finally:
+        torch.set_num_threads(before)
+    assert out[1].isnan().all()
+    clean = torch.tensor([True, False, True, True, True, True])
+    assert_close_to_reference(out[clean], lse[clean], want[0][clean], want[1][clean], torch.bfloat16)

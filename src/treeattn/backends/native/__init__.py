@@ -186,21 +186,26 @@ class NativeBackend(Backend):
         from ...plan import TreeAttentionPlan
         from ...testing import Request, binary, make_batch
 
-        # Two tiles and a short one, a tree with queries, a request without a tree, a GQA group of 4; the
-        # keys ragged, and in 16-token pages with K stored dims-major (vLLM's CPU cache: its own packing).
-        batch = make_batch([Request(binary(13), prefix=150), Request((), prefix=70, qo=3)], h_q=8, h_kv=2, d=64,
-                           dtype=dtype, seed=1234, page_size=16)
-        e = batch.extra
-        pages = e["kv_pages"]  # [pages, 2, h_kv, page_size, d]
-        kv = PagedKV.wrap((pages[:, 0].transpose(2, 3).contiguous().transpose(2, 3), pages[:, 1]), "HND")
-        cases = [(TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order),
-                  batch.k, batch.v, 0),
-                 (TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
-                                          batch.tree_indptr, batch.tree_order, page_size=16,
-                                          num_pages=pages.shape[0]), kv.k, kv.v, 16)]
+        # Two tiles and a short one, a tree with queries, a request without a tree (12 rows: an item of few
+        # rows), a GQA group of 4; the keys ragged, and in pages with K stored dims-major (vLLM's CPU cache:
+        # its own packing) of 16 tokens (tiles copied a page at a time) and of 64 (whole tiles read in place).
+        requests = [Request(binary(13), prefix=150), Request((), prefix=70, qo=3)]
+        cases = []
+        for page_size in (16, 64):
+            batch = make_batch(requests, h_q=8, h_kv=2, d=64, dtype=dtype, seed=1234, page_size=page_size)
+            if not cases:
+                cases.append((batch, TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr,
+                                                              batch.tree_order), batch.k, batch.v, 0))
+            e = batch.extra
+            pages = e["kv_pages"]  # [pages, 2, h_kv, page_size, d]
+            kv = PagedKV.wrap((pages[:, 0].transpose(2, 3).contiguous().transpose(2, 3), pages[:, 1]), "HND")
+            cases.append((batch, TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"],
+                                                         e["last_page_len"], batch.tree_indptr, batch.tree_order,
+                                                         page_size=page_size, num_pages=pages.shape[0]),
+                          kv.k, kv.v, page_size))
         spec = AttentionSpec(torch.device("cpu"), dtype, 8, 2, 64, 64)
         baseline = self.fma_path()
-        for plan, k, v, page_size in cases:
+        for batch, plan, k, v, page_size in cases:
             results = []
             for name in (isa, baseline):
                 out = torch.full_like(batch.q, float("nan"))
@@ -217,7 +222,7 @@ class NativeBackend(Backend):
             error = ((out - want).abs() - tol * want.abs()).max().item()
             lse_error = ((lse - want_lse).abs() - 1e-4 * want_lse.abs()).max().item()
             if not error <= tol or not lse_error <= 1e-4:  # NaN fails too
-                layout = "paged, K dims-major" if page_size else "ragged"
+                layout = f"{page_size}-token pages, K dims-major" if page_size else "ragged"
                 return (f"its output ({layout}) differs from the {baseline!r} path's by {error + tol:.3g} beyond "
                         f"{tol:g} (LSE: {lse_error + 1e-4:.3g})")
         return None

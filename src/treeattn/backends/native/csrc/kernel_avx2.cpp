@@ -95,6 +95,7 @@ struct V {
 };
 
 #include "kernel.hpp"
+using Pairs16 = NoPairs;  // no bf16 dot product on these vectors: the brgemm path's bf16 items stay there
 #include "x86.hpp"
 #include "kernel_brgemm.hpp"
 

@@ -93,6 +93,7 @@ struct V {
 };
 
 #include "kernel.hpp"
+#include "kernel_rows_bf16.hpp"
 #include "x86.hpp"
 #include "kernel_brgemm.hpp"
 
@@ -162,6 +163,7 @@ inline void V::store_f16(uint16_t* dst, T x) {
 void run_item_avx512(const Problem& p, const Item& it, float* scratch) { avx512::run_item(p, it, scratch); }
 
 float fma_loop_avx512(int64_t iters) { return avx512::fma_loop(iters); }
+bool bf16_pairs_avx512() { return avx512::Pairs16::cpu(); }
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch) {
   avx512::brgemm_item::run(p, it, scratch);
 }

@@ -25,28 +25,6 @@ static inline float* aligned(float* at) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(at) + 4 * ALIGN - 1) & ~uintptr_t(4 * ALIGN - 1));
 }
 
-// Whether a stored row of n values of dtype holds an inf or NaN (all exponent bits set). No early exit:
-// the loops vectorise (value by value, the test took a fifth of a 16-bit prefill's time outside the GEMMs).
-static bool nonfinite_row(const char* row, int32_t dtype, int64_t n) {
-  if (dtype == F32) {
-    uint32_t bad = 0;
-    for (int64_t e = 0; e < n; ++e) {
-      uint32_t u;
-      __builtin_memcpy(&u, row + 4 * e, 4);
-      bad |= (u & 0x7f800000u) == 0x7f800000u;
-    }
-    return bad;
-  }
-  const uint16_t exp = dtype == BF16 ? 0x7f80u : 0x7c00u;
-  uint16_t bad = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    uint16_t u;
-    __builtin_memcpy(&u, row + 2 * e, 2);
-    bad |= (u & exp) == exp;
-  }
-  return bad;
-}
-
 // K^T of a tile: `words` 32-bit words of each of `count` key rows into dst[word][BT] (keys past
 // count, up to `padded`, zero). `half`: the rows' last word holds one 16-bit value only (odd d): its upper half is zero.
 template <int W = V::W>
@@ -159,8 +137,16 @@ static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) 
 
 // fp32 items of at most this many rows (decoding tokens' GQA groups, tiny trees) run the FMA kernel's
 // few-rows loop (kernel_rows.hpp): oneDNN's fp32 GEMM on so few (padded) rows ran 0.68-0.92x as fast on
-// Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16). 16-bit items stay: bf16 on AMX ran 1.25-1.5x at 3-4.
+// Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16). 16-bit items stay (bf16 on AMX ran 1.25-1.5x at 3-4),
+// except bf16 where the CPU has AVX512-BF16 and no AMX (FEW_BF16_ROWS).
 constexpr int64_t FEW_F32_ROWS = 8;
+
+// bf16 items of at most this many rows (all the few-rows loop takes) run it on bf16 pairs where the CPU
+// has them (kernel_rows_bf16.hpp). Measured on a Zen 5 (AVX512-BF16, 1 thread, vLLM's cells with K
+// dims-major in 128-key pages, 576 keys per request), against this kernel: 16 decodes of h 9/3, d 64 (3
+// rows) 1.7x; 6 / 9 / 12 / 15 rows 1.45x / 1.3x / 1.14x / 1.11x; h 32/8, d 128: 4 / 8 / 12 / 16 rows 1.5x /
+// 1.3x / 1.14x / 1.08x.
+constexpr int64_t FEW_BF16_ROWS = 16;
 
 // A tile's rows go through its GEMMs and softmax in chunks of this many (see run): each chunk reads only
 // the keys its rows may see, and M takes few values (oneDNN compiles a kernel per shape).
@@ -171,6 +157,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, esize = wide ? 4 : 2;
   const int64_t rows = (it.t1 - it.t0) * group, mp = brgemm_rows(rows);
   if (wide && rows <= FEW_F32_ROWS) return run_rows(p, it, scratch);
+  if (rows <= FEW_BF16_ROWS && Pairs16::usable(p)) return run_rows<Pairs16>(p, it, scratch);
   const int64_t dp = wide ? d : (d + 1) / 2 * 2;  // the QK GEMM's K: 16-bit pairs need an even count
   const int64_t words = wide ? d : dp / 2;       // 32-bit words of a K row
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;

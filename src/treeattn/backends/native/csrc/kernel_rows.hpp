@@ -192,14 +192,23 @@ static void pv_all(RowTile v, int64_t dvp, const float* p, int64_t ps, int64_t c
   });
 }
 
+// The loop's two products in fp32 (K and V widened where stored in 16 bits), or where a translation unit
+// has them (kernel_rows_bf16.hpp's Pairs16), in bf16 pairs: Pairs::on.
+struct NoPairs {
+  static constexpr bool on = false;
+  static bool usable(const Problem&) { return false; }
+};
+
 // The item, in scratch of few_rows_floats(p, rows) floats (problem.h).
+template <class Pairs = NoPairs>
 static void run_rows(const Problem& p, const Item& it, float* scratch) {
+  constexpr bool pairs = Pairs::on;
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, rows = (it.t1 - it.t0) * group;
   const int64_t dp = round_up(d, V::W), dvp = round_up(dv, V::W), kt = KEY_TILE;
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
-  float* q = scratch;           // [rows][dp], pre-scaled
+  float* q = scratch;           // [rows][dp], pre-scaled (pairs: the stored bf16 rows, dp apart)
   float* s = q + rows * dp;     // [rows][kt] scores, then probabilities
-  float* keep = s + rows * kt;  // [rows][kt] visibility (all-ones / zero bits), on masked tiles
+  float* keep = s + rows * kt;  // [rows][kt] visibility (all-ones / zero bits), on masked tiles (pairs: P in bf16)
   float* o = keep + rows * kt;  // [rows][dvp]
   float* m = o + rows * dvp;
   float* l = m + rows;
@@ -210,15 +219,19 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
   int32_t* key_hi = key_lo + kt;
   int32_t* key_pos = key_hi + kt;    // [kt] per key: its position + 1 (window: seen by rows with row_lo < it)
   int32_t* no_lo = key_pos + kt;     // [kt] INT32_MIN: the window test's lower bound
-  float* kbuf = reinterpret_cast<float*>(no_lo + kt);  // [kt][dp]
+  float* kbuf = reinterpret_cast<float*>(no_lo + kt);  // [kt][dp] (pairs: K^T in bf16, [d][kt])
   float* vbuf = kbuf + kt * dp;                         // [kt][dvp]
 
   int64_t edge = 0;  // prefix keys below it are outside some row's window
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = it.t0 + r / group, g = r % group;
-    load_row(p.q, p.dtype, (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head, d, q + r * dp);
-    for (int64_t c = 0; c < d; ++c) q[r * dp + c] *= p.q_scale;
-    for (int64_t c = d; c < dp; ++c) q[r * dp + c] = 0.0f;
+    const int64_t t = it.t0 + r / group, g = r % group, at = (p.q_starts[b] + t) * p.q_row + (it.h * group + g) * p.q_head;
+    if constexpr (pairs) {
+      __builtin_memcpy(reinterpret_cast<uint16_t*>(q + r * dp), static_cast<const uint16_t*>(p.q) + at, uint64_t(2 * d));
+    } else {
+      load_row(p.q, p.dtype, at, d, q + r * dp);
+      for (int64_t c = 0; c < d; ++c) q[r * dp + c] *= p.q_scale;
+      for (int64_t c = d; c < dp; ++c) q[r * dp + c] = 0.0f;
+    }
     enter[r] = n ? p.tree_order[2 * (p.tree_starts[b] + t + n - qo)] : -1;
     row_lo[r] = 0;
     if (p.window) {
@@ -240,11 +253,18 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
   const typename V::T cap = V::set1(p.cap2), minus_inf = V::set1(-__builtin_inff());
   for (int64_t j0 = it.c0; j0 < it.c1; j0 += kt) {
     const int64_t count = imin(kt, it.c1 - j0), padded = round_up(count, V::W);
-    // K as rows (head dims in the lanes), or dims-major as K^T (keys in the lanes); V as rows.
+    // K as rows (head dims in the lanes), or dims-major as K^T (keys in the lanes); V as rows. Pairs: V's
+    // rows where they are stored (K: Pairs::scores).
     const bool dims = p.k_dim != 1;
-    const RowTile kt_rows = dims ? dims_tile(p, it, j0, count, kbuf)
-                                 : row_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, kbuf);
-    const RowTile vt_rows = p.v_in_k ? kt_rows : row_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf);
+    RowTile kt_rows{}, vt_rows{};
+    const uint16_t* v16[KEY_TILE];
+    if constexpr (pairs) {
+      Pairs::value_rows(p, it, j0, count, v16);
+    } else {
+      kt_rows = dims ? dims_tile(p, it, j0, count, kbuf)
+                     : row_tile(p, p.k, p.k_page, p.k_tok, p.k_head, d, it, j0, count, kbuf);
+      vt_rows = p.v_in_k ? kt_rows : row_tile(p, p.v, p.v_page, p.v_tok, p.v_head, dv, it, j0, count, vbuf);
+    }
     // Visibility (see run_item): tree keys by DFS interval, window edges by position; the padding keys
     // of a last tile are seen by no row.
     const bool edged = p.window && j0 < edge, in_tree = n > 0 && j0 + count > tree_lo;
@@ -259,14 +279,18 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
                      : int32_t((node < 0 ? j0 + i : tree_lo + depth[node]) + 1);
       }
       for (int64_t i = edged ? 0 : tree_lo > j0 ? tree_lo - j0 : 0; i < count && !guard; ++i)
-        guard = !all_finite(vt_rows.base + i * vt_rows.stride, dv);
+        guard = pairs ? nonfinite_row(reinterpret_cast<const char*>(v16[i]), BF16, dv)
+                      : !all_finite(vt_rows.base + i * vt_rows.stride, dv);
     }
     // Scores of every row, a vector of keys at a time: the rows share each K chunk while it is in L1.
     for (int64_t i0 = 0; i0 < padded; i0 += V::W) {
       prefetch_keys(p, it, j0 + kt + i0, j0 + kt + i0 + V::W);  // the next tile's, spread over this one
-      for (int64_t r = 0; !dims && r < rows; ++r) qk_keys(q + r * dp, kt_rows, i0, dp, s + r * kt + i0);
+      for (int64_t r = 0; !pairs && !dims && r < rows; ++r) qk_keys(q + r * dp, kt_rows, i0, dp, s + r * kt + i0);
     }
-    if (dims) qk_dims_all(kt_rows, d, q, dp, padded, s, kt, rows);
+    if constexpr (pairs)
+      Pairs::scores(p, it, j0, count, reinterpret_cast<const uint16_t*>(q), 2 * dp, rows, reinterpret_cast<uint16_t*>(kbuf), s, kt);
+    else if (dims)
+      qk_dims_all(kt_rows, d, q, dp, padded, s, kt, rows);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = s + r * kt;
       typename V::T top = minus_inf;
@@ -298,8 +322,17 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
       m[r] = fresh;
     }
     // Every row's P V, each V row read once for all rows; a tile holding a key that is not finite takes
-    // the row-by-row path that skips the keys a row cannot see (0 * NaN is NaN).
-    if (guard)
+    // the row-by-row path that skips the keys a row cannot see (0 * NaN is NaN): pairs, on V widened in
+    // the order in which they keep O.
+    if constexpr (pairs) {
+      if (guard) {
+        Pairs::widen_v(v16, count, dv, vbuf, dvp);
+        for (int64_t r = 0; r < rows; ++r)
+          pv_row(RowTile{vbuf, dvp}, dvp, s + r * kt, keep + r * kt, count, alpha[r], o + r * dvp);
+      } else {
+        Pairs::pv(v16, count, s, kt, reinterpret_cast<uint16_t*>(keep), alpha, dv, rows, o, dvp);
+      }
+    } else if (guard)
       for (int64_t r = 0; r < rows; ++r) pv_row(vt_rows, dvp, s + r * kt, keep + r * kt, count, alpha[r], o + r * dvp);
     else
       pv_all(vt_rows, dvp, s, kt, count, alpha, o, dvp, rows);
@@ -308,6 +341,7 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
   // Normalise and write: the final output, or this chunk's partial result.
   for (int64_t r = 0; r < rows; ++r) {
     float* src = o + r * dvp;
+    if constexpr (pairs) Pairs::unpermute(src, dv);
     const float sum = l[r], inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     const float lse = sum > 0.0f ? __builtin_log2f(sum) + m[r] : EMPTY_LSE;
     for (int64_t c = 0; c < dv; ++c) src[c] *= inv;

@@ -25,6 +25,7 @@ void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
 float fma_loop_avx2(int64_t iters);
 float fma_loop_avx512(int64_t iters);
+bool bf16_pairs_avx512();
 #endif
 
 namespace {
@@ -89,6 +90,16 @@ const std::vector<std::string>& brgemm_16bit() {
     return names;
   }();
   return out;
+}
+
+// Whether the brgemm paths' bf16 items of few query rows run on AVX512-BF16's pairs here
+// (kernel_rows_bf16.hpp): AVX512-BF16 without AMX.
+bool bf16_pairs() {
+#if defined(__x86_64__)
+  return has_avx512() && bf16_pairs_avx512();
+#else
+  return false;
+#endif
 }
 
 bool is_brgemm(const std::string& isa) { return isa.rfind("brgemm-", 0) == 0; }
@@ -511,6 +522,8 @@ double peak(const std::string& kind, int64_t iters, int64_t threads) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first for 16-bit dtypes");
   m.def("brgemm_16bit", &treeattn_native::brgemm_16bit, "16-bit dtypes PyTorch's brgemm accepts on this CPU");
+  m.def("bf16_pairs", &treeattn_native::bf16_pairs,
+        "whether the brgemm paths run bf16 items of few rows on AVX512-BF16's bf16 pairs on this CPU");
   // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
   m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
         py::call_guard<py::gil_scoped_release>());
