@@ -19,6 +19,7 @@ from tests.helpers import Request, assert_close_to_reference, chain, forest, mak
 from tests.test_native import ISAS, layouts, native, reference
 from tests.test_native_variants import check_paged_variants
 from tests.test_variants import VARIANTS, _kwargs, _sinks
+from treeattn.backends.native import NativeBackend
 from treeattn.backends.native.build import EXTENSION
 from treeattn.layout import PagedKV
 
@@ -117,6 +118,7 @@ def test_mla_absorbed_form(isa, paged):
 
 
 FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+PAIRS = EXTENSION.failure() is None and EXTENSION.module().bf16_pairs()
 
 
 @pytest.mark.skipif(not FLAGS, reason="no /proc/cpuinfo to compare with")
@@ -124,6 +126,20 @@ def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_without_amx():
     """The tests below reach the bf16 pairs on such a CPU: the extension says it takes them."""
     want = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= FLAGS and "amx_bf16" not in FLAGS
     assert EXTENSION.module().bf16_pairs() == want
+
+
+def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, **variants):
+    """``native``, counting the items that ran on the bf16 pairs: on a CPU that has them, brgemm-avx512 must
+    pass its self-check (a broken path fails here instead of being skipped) and run every item there."""
+    takes = PAIRS and isa == "brgemm-avx512"
+    if takes:
+        assert NativeBackend().check(isa, torch.bfloat16) is None
+    before = EXTENSION.module().bf16_pairs_items()
+    got = native(batch, isa, kv, sm_scale, **variants)
+    ran = EXTENSION.module().bf16_pairs_items() - before
+    items = batch.k.shape[1] * (len(batch.q_indptr) - 1)  # each request's rows per KV head: one item (no split)
+    assert ran == (items if takes else 0)
+    return got
 
 
 # With 4 query heads per KV head: 4 to 16 rows per item (a decode after a page's worth of keys, trees of 2 and
@@ -144,8 +160,22 @@ def test_bf16_items_of_few_rows_on_every_layout(isa, layout, page_size, head_dim
                        page_size=page_size)
     assert 4 <= rows_per_item(batch) <= 16
     kv = None if layout == "ragged" else layouts(batch)[layout]
-    got = native(batch, isa, kv, sm_scale=head_dim**-0.5)
+    got = on_pairs(batch, isa, kv, sm_scale=head_dim**-0.5)
     assert_close_to_reference(*got, *reference(batch, head_dim**-0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_bf16_items_of_few_rows_every_variant_in_whole_pages(isa, variant, head_dim):
+    """Every variant on K dims-major in 128-key pages (tiles read in place, a 32-key tile among them), head
+    dims of one and three 32-value vectors."""
+    requests = [Request((), prefix=160, qo=1), Request(chain(2), prefix=96), Request((), prefix=32, qo=3)]
+    batch = make_batch(requests, h_q=8, h_kv=2, d=head_dim, dtype=torch.bfloat16, seed=len(variant) + head_dim,
+                       page_size=128)
+    kw = _kwargs(VARIANTS[variant], 8, 2)
+    got = on_pairs(batch, isa, layouts(batch)["K dims-major"], **kw)
+    assert_close_to_reference(*got, *reference(batch, **kw), torch.bfloat16)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -164,6 +194,8 @@ def test_bf16_items_of_few_rows_keep_nan_to_the_rows_that_see_it(isa, layout):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        if PAIRS and isa == "brgemm-avx512":
+            assert NativeBackend().check(isa, torch.bfloat16) is None
         out, lse = native(batch, isa, kv)
     finally:
         torch.set_num_threads(before)

@@ -4,6 +4,7 @@
 // only when cpuid reports all four features.
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "problem.h"
@@ -92,6 +93,20 @@ struct V {
   static void store_f16(uint16_t* dst, T x);  // W values rounded to fp16
 };
 
+// AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16), and AMX-BF16 (cpuid leaf 7, EDX bit 22: read directly, older
+// compilers' __builtin_cpu_supports lacks it). Asked once: cpuid traps to the hypervisor in a VM.
+static bool has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+static bool has_amx_bf16() {
+  static const bool has = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+  }();
+  return has;
+}
+
 #include "kernel.hpp"
 #include "kernel_rows_bf16.hpp"
 #include "x86.hpp"
@@ -137,8 +152,7 @@ __attribute__((target("avx512bf16"))) static __m512 exp_row_bf16_native(const fl
 }
 
 V::T V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top) {
-  static const bool native = __builtin_cpu_supports("avx512bf16");
-  if (native) return exp_row_bf16_native(s, n, unit, shift, dst, top);
+  if (has_avx512_bf16()) return exp_row_bf16_native(s, n, unit, shift, dst, top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += W) {
     const __m512 x = _mm512_loadu_ps(s + i), e = exp2_16<3>(_mm512_fmadd_ps(x, unit, shift));
@@ -164,6 +178,7 @@ void run_item_avx512(const Problem& p, const Item& it, float* scratch) { avx512:
 
 float fma_loop_avx512(int64_t iters) { return avx512::fma_loop(iters); }
 bool bf16_pairs_avx512() { return avx512::Pairs16::cpu(); }
+int64_t bf16_pairs_items_avx512() { return __atomic_load_n(&avx512::Pairs16::items, __ATOMIC_RELAXED); }
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch) {
   avx512::brgemm_item::run(p, it, scratch);
 }

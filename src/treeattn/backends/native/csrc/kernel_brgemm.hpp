@@ -147,6 +147,7 @@ constexpr int64_t FEW_F32_ROWS = 8;
 // rows) 1.7x; 6 / 9 / 12 / 15 rows 1.45x / 1.3x / 1.14x / 1.11x; h 32/8, d 128: 4 / 8 / 12 / 16 rows 1.5x /
 // 1.3x / 1.14x / 1.08x.
 constexpr int64_t FEW_BF16_ROWS = 16;
+static_assert(FEW_BF16_ROWS <= MAX_LANES, "scratch holds few-rows items of at most MAX_LANES rows (native.cpp)");
 
 // A tile's rows go through its GEMMs and softmax in chunks of this many (see run): each chunk reads only
 // the keys its rows may see, and M takes few values (oneDNN compiles a kernel per shape).

@@ -203,10 +203,11 @@ struct NoPairs {
 template <class Pairs = NoPairs>
 static void run_rows(const Problem& p, const Item& it, float* scratch) {
   constexpr bool pairs = Pairs::on;
+  if constexpr (pairs) Pairs::count_item();
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, rows = (it.t1 - it.t0) * group;
   const int64_t dp = round_up(d, V::W), dvp = round_up(dv, V::W), kt = KEY_TILE;
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
-  float* q = scratch;           // [rows][dp], pre-scaled (pairs: the stored bf16 rows, dp apart)
+  float* q = scratch;           // [rows][dp], pre-scaled (pairs: the stored bf16 rows, 2 dp values apart)
   float* s = q + rows * dp;     // [rows][kt] scores, then probabilities
   float* keep = s + rows * kt;  // [rows][kt] visibility (all-ones / zero bits), on masked tiles (pairs: P in bf16)
   float* o = keep + rows * kt;  // [rows][dvp]
@@ -278,9 +279,11 @@ static void run_rows(const Problem& p, const Item& it, float* scratch) {
         key_pos[i] = !p.window || i >= count || (node < 0 && !edged) ? INT32_MAX
                      : int32_t((node < 0 ? j0 + i : tree_lo + depth[node]) + 1);
       }
-      for (int64_t i = edged ? 0 : tree_lo > j0 ? tree_lo - j0 : 0; i < count && !guard; ++i)
-        guard = pairs ? nonfinite_row(reinterpret_cast<const char*>(v16[i]), BF16, dv)
-                      : !all_finite(vt_rows.base + i * vt_rows.stride, dv);
+      auto finite = [&](int64_t i) {
+        if constexpr (pairs) return !nonfinite_row(reinterpret_cast<const char*>(v16[i]), BF16, dv);
+        else return all_finite(vt_rows.base + i * vt_rows.stride, dv);
+      };
+      for (int64_t i = edged ? 0 : tree_lo > j0 ? tree_lo - j0 : 0; i < count && !guard; ++i) guard = !finite(i);
     }
     // Scores of every row, a vector of keys at a time: the rows share each K chunk while it is in L1.
     for (int64_t i0 = 0; i0 < padded; i0 += V::W) {

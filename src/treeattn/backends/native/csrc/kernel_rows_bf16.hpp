@@ -13,7 +13,8 @@
 //   2i + 1 unpack into pairs against (p[2i], p[2i + 1]) broadcast. O's head dims stay in the unpacks'
 //   order through the item (its rescaling is lane by lane) and are put back once, at its end.
 // Head dims a multiple of 32 (a vector of bf16 values): usable(). Included by kernel_avx512.cpp after
-// kernel.hpp; every function that uses AVX512-BF16 is compiled for it alone and runs only where cpuid has it.
+// kernel.hpp; every function that uses AVX512-BF16 is compiled for it alone and runs only where cpuid has it
+// (has_avx512_bf16).
 
 // The unpacks' order of 32 elements (keys or head dims) in two vectors: lane l of the low unpack holds
 // element 8 (l / 4) + l % 4, of the high one 8 (l / 4) + 4 + l % 4. BACK0 / BACK1: elements 0-15 / 16-31
@@ -26,16 +27,21 @@ alignas(64) static const int32_t HIGH[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
 #define PAIRS16 __attribute__((target("avx512bf16")))
 
 static inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-static inline __mmask32 first_n(int64_t n) {  // the first n of 32 lanes (none for n <= 0)
-  return n >= 32 ? ~__mmask32(0) : n <= 0 ? __mmask32(0) : (__mmask32(1) << n) - 1;
+static inline __mmask16 first16(int64_t n) {  // the first n of 16 lanes (none for n <= 0)
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// Keys from j up to `left` of them that share j's page (all of them, ragged): evenly spaced in memory.
+static inline int64_t page_run(const Problem& p, int64_t j, int64_t left) {
+  return p.page_size ? imin(left, p.page_size - j % p.page_size) : left;
 }
 
 // Pointers to the `count` stored rows of keys j0 ... of item `it` in K or V (element offsets as key_offset
-// gives them): one key_offset per page, since a page's rows are `tok` elements apart.
+// gives them): one key_offset per page.
 static void stored_rows(const Problem& p, const Item& it, const void* base, int64_t page, int64_t tok, int64_t head,
                         int64_t j0, int64_t count, const uint16_t** rows) {
   for (int64_t i = 0; i < count;) {
-    const int64_t run = p.page_size ? imin(count - i, p.page_size - (j0 + i) % p.page_size) : count - i;
+    const int64_t run = page_run(p, j0 + i, count - i);
     const uint16_t* at = static_cast<const uint16_t*>(base) + key_offset(p, it.b, j0 + i, page, tok, head, it.h);
     for (int64_t k = 0; k < run; ++k) rows[i + k] = at + k * tok;
     i += run;
@@ -119,15 +125,15 @@ PAIRS16 static void pv_block(const uint16_t* const* v, int64_t count, const uint
     for (int j = 0; j < 2 * CB; ++j) _mm512_storeu_ps(o + r * os + c0 + 16 * j, acc[r][j]);
 }
 
-// Rows of fp32 probabilities (`count` of each, zero up to an even count) rounded to bf16, in place of
-// pairs: words [rows][ps].
+// Rows of fp32 probabilities (`count` of each, zero up to an even count) rounded to bf16, read as pairs:
+// dst[rows][ds].
 PAIRS16 static void round_probs(const float* prob, int64_t pstride, int64_t count, int64_t rows, uint16_t* dst,
                                 int64_t ds) {
   const int64_t n = (count + 1) / 2 * 2;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < n; i += 32) {
-      const __m512 a = _mm512_maskz_loadu_ps(__mmask16(first_n(n - i)), prob + r * pstride + i);
-      const __m512 b = _mm512_maskz_loadu_ps(__mmask16(first_n(n - i - 16)), prob + r * pstride + i + 16);
+      const __m512 a = _mm512_maskz_loadu_ps(first16(n - i), prob + r * pstride + i);
+      const __m512 b = _mm512_maskz_loadu_ps(first16(n - i - 16), prob + r * pstride + i + 16);
       _mm512_storeu_si512(dst + r * ds + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));  // a: low half
     }
 }
@@ -138,13 +144,13 @@ struct Pairs16 {
   // bf16 on a CPU with AVX512-BF16 and without AMX (whose tiles run these items through brgemm 1.25-1.5x
   // as fast as the fp32 loop at 3-4 rows; this loop against them is unmeasured), head dims of whole
   // vectors, V stored apart from K.
-  static bool cpu() {
-    static const bool has = __builtin_cpu_supports("avx512bf16") && !__builtin_cpu_supports("amx-bf16");
-    return has;
-  }
+  static bool cpu() { return has_avx512_bf16() && !has_amx_bf16(); }
   static bool usable(const Problem& p) {
     return p.dtype == BF16 && p.d % 32 == 0 && p.dv % 32 == 0 && !p.v_in_k && cpu();
   }
+  // Items run here in this process (bf16_pairs_items: how a test knows they were).
+  static inline int64_t items = 0;
+  static void count_item() { __atomic_fetch_add(&items, 1, __ATOMIC_RELAXED); }
 
   static void value_rows(const Problem& p, const Item& it, int64_t j0, int64_t count, const uint16_t** rows) {
     stored_rows(p, it, p.v, p.v_page, p.v_tok, p.v_head, j0, count, rows);
@@ -156,7 +162,7 @@ struct Pairs16 {
                              int64_t qs, int64_t rows, uint16_t* buf, float* s, int64_t ss) {
     const int64_t d = p.d;
     if (p.k_dim == 1) {  // rows: the keys past count read a zero row
-      const uint16_t* keys[KEY_TILE + 16];
+      const uint16_t* keys[KEY_TILE];
       stored_rows(p, it, p.k, p.k_page, p.k_tok, p.k_head, j0, count, keys);
       __builtin_memset(buf, 0, size_t(2 * d));
       for (int64_t i = count; i < (count + 15) / 16 * 16; ++i) keys[i] = buf;
@@ -170,7 +176,7 @@ struct Pairs16 {
     const uint16_t* kt = buf;
     int64_t stride = KEY_TILE;
     for (int64_t i = 0; i < count;) {
-      const int64_t run = p.k_tok != 1 ? 1 : p.page_size ? imin(count - i, p.page_size - (j0 + i) % p.page_size) : count - i;
+      const int64_t run = p.k_tok != 1 ? 1 : page_run(p, j0 + i, count - i);
       const uint16_t* at = static_cast<const uint16_t*>(p.k) + key_offset(p, it.b, j0 + i, p.k_page, p.k_tok, p.k_head, it.h);
       if (run == count && count == whole) {
         kt = at;
@@ -204,13 +210,17 @@ struct Pairs16 {
     });
   }
 
-  // V's rows widened to fp32 with their head dims in the unpacks' order: dst[i][...], ds apart.
+  // V's rows widened to fp32 with their head dims in the unpacks' order (O's): dst[i][...], ds apart. For
+  // a tile with a non-finite V row, whose P V takes kernel_rows.hpp's fp32 row-by-row path (with P unrounded:
+  // such a tile is rare, and its result within bf16's tolerance either way).
   static void widen_v(const uint16_t* const* v, int64_t count, int64_t dv, float* dst, int64_t ds) {
     const __m512i low = _mm512_load_si512(LOW), high = _mm512_load_si512(HIGH);
+    auto widen = [](const uint16_t* x) {  // 16 bf16 values to fp32: the bits in the upper halves
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+    };
     for (int64_t i = 0; i < count; ++i)
       for (int64_t c = 0; c < dv; c += 32) {
-        V::widen_bf16(v[i] + c, dst + i * ds + c, 32);
-        const __m512 a = _mm512_loadu_ps(dst + i * ds + c), b = _mm512_loadu_ps(dst + i * ds + c + 16);
+        const __m512 a = widen(v[i] + c), b = widen(v[i] + c + 16);
         _mm512_storeu_ps(dst + i * ds + c, _mm512_permutex2var_ps(a, low, b));
         _mm512_storeu_ps(dst + i * ds + c + 16, _mm512_permutex2var_ps(a, high, b));
       }

@@ -26,6 +26,7 @@ void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
 float fma_loop_avx2(int64_t iters);
 float fma_loop_avx512(int64_t iters);
 bool bf16_pairs_avx512();
+int64_t bf16_pairs_items_avx512();
 #endif
 
 namespace {
@@ -92,13 +93,20 @@ const std::vector<std::string>& brgemm_16bit() {
   return out;
 }
 
-// Whether the brgemm paths' bf16 items of few query rows run on AVX512-BF16's pairs here
-// (kernel_rows_bf16.hpp): AVX512-BF16 without AMX.
+// Whether brgemm-avx512's bf16 items of few query rows (head dims multiples of 32) run on AVX512-BF16's
+// pairs here (kernel_rows_bf16.hpp): AVX512-BF16 without AMX. And how many items have, in this process.
 bool bf16_pairs() {
 #if defined(__x86_64__)
   return has_avx512() && bf16_pairs_avx512();
 #else
   return false;
+#endif
+}
+int64_t bf16_pairs_items() {
+#if defined(__x86_64__)
+  return has_avx512() ? bf16_pairs_items_avx512() : 0;
+#else
+  return 0;
 #endif
 }
 
@@ -523,7 +531,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first for 16-bit dtypes");
   m.def("brgemm_16bit", &treeattn_native::brgemm_16bit, "16-bit dtypes PyTorch's brgemm accepts on this CPU");
   m.def("bf16_pairs", &treeattn_native::bf16_pairs,
-        "whether the brgemm paths run bf16 items of few rows on AVX512-BF16's bf16 pairs on this CPU");
+        "whether brgemm-avx512 runs bf16 items of few rows (head dims multiples of 32) on AVX512-BF16's bf16 pairs here");
+  m.def("bf16_pairs_items", &treeattn_native::bf16_pairs_items, "bf16 items run on those pairs in this process");
   // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
   m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",
         py::call_guard<py::gil_scoped_release>());
