@@ -93,8 +93,10 @@ struct V {
   static void store_f16(uint16_t* dst, T x);  // W values rounded to fp16
 };
 
-// AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16), and AMX-BF16 (cpuid leaf 7, EDX bit 22: read directly, older
-// compilers' __builtin_cpu_supports lacks it). Asked once: cpuid traps to the hypervisor in a VM.
+// AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16), and AMX-BF16 that the OS enabled, as oneDNN needs it: cpuid
+// leaf 7, EDX bit 22 (read directly: older compilers' __builtin_cpu_supports lacks it), and XCR0's tile
+// state bits 17-18 (a kernel without AMX support leaves them clear, and /proc/cpuinfo without amx_bf16).
+// Asked once: cpuid traps to the hypervisor in a VM.
 static bool has_avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
@@ -102,7 +104,10 @@ static bool has_avx512_bf16() {
 static bool has_amx_bf16() {
   static const bool has = [] {
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22));
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));  // XCR0 (AVX-512 CPUs have OSXSAVE)
+    return (lo & (3u << 17)) == (3u << 17);
   }();
   return has;
 }
