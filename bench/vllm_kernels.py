@@ -4,7 +4,8 @@
 
 Needs the vLLM venv (``make test-vllm`` builds it). Shapes of SmolLM2 under vLLM on the CPU
 (9 query / 3 KV heads, head dim 64, block size 128), one thread: decode of 1 and 16 requests at
-context 576 (the middle of ``bench/vllm_serving.py``'s decode) and a 512-token prefill. treeattn's
+context 576 (the middle of ``bench/vllm_serving.py``'s decode), 16 requests of 8 new tokens (a tree step's
+size, causal: what CPU_ATTN runs) and a 512-token prefill. treeattn's
 call is what vLLM's impl runs per layer (``PagedCall.run`` into preallocated outputs); the step's host
 work, paid once for all layers, is timed apart: the builder's plan (``treeattn.vllm.batch.step_plan``)
 and the first layer's ``prepare_paged_tree_attention`` (checks, backend choice, the kernel's tables).
@@ -30,7 +31,9 @@ from treeattn.vllm.backend import shared_cpu_isa
 from treeattn.vllm.batch import split_kv_cache, step_plan
 
 H_Q, H_KV, D, PAGE, PAGES = 9, 3, 64, 128, 200
-STEPS = [(1, 1, 576), (16, 1, 576), (1, 512, 512)]  # (requests, new tokens each, context)
+# (requests, new tokens each, context): decodes, a step of 8-token trees' size (as a causal chain: the cost
+# of a tree's mask, and what CPU_ATTN can run), a prefill
+STEPS = [(1, 1, 576), (16, 1, 576), (16, 8, 576), (1, 512, 512)]
 
 
 def ms(fn, repeat: int = 10) -> float:

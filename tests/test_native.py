@@ -212,6 +212,25 @@ def test_items_of_9_to_16_rows(isa, group):
                               *reference(batch, sliding_window=24, sinks=sinks), torch.float32)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_items_of_17_to_32_rows_on_a_dims_major_k(isa, dtype, page_size):
+    """With K dims-major (vLLM's cells) the AVX-512 paths run items of up to 32 rows as few-rows items (the
+    rows share each dim row of K): trees of a GQA group of 3 or 4 giving 17-32 rows, with tree masks on the
+    last tiles; and with a window and sinks."""
+    requests = [Request(binary(8), prefix=40), Request(chain(6), prefix=130), Request(forest(chain(3), chain(4)), prefix=7),
+                Request(star(5), prefix=300), Request((), prefix=64, qo=7)]
+    for group in (3, 4):
+        batch = make_batch(requests, h_q=2 * group, h_kv=2, d=64, dtype=dtype, seed=group + page_size,
+                           page_size=page_size)
+        kv = layouts(batch)["K dims-major"]
+        assert_close_to_reference(*native(batch, isa, kv), *reference(batch), dtype)
+        sinks = torch.linspace(-1.0, 1.0, 2 * group)
+        assert_close_to_reference(*native(batch, isa, kv, sliding_window=24, sinks=sinks),
+                                  *reference(batch, sliding_window=24, sinks=sinks), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("head_dim", [17, 66, 129])

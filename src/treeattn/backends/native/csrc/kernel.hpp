@@ -277,7 +277,7 @@ static void pv_any(bool guard, const float* vt, int64_t vs, int64_t dv, const fl
 static void run_item(const Problem& p, const Item& it, float* scratch) {
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b;
   const int64_t rows = (it.t1 - it.t0) * group, rp = (rows + V::W - 1) / V::W * V::W, keys = KEY_TILE + KEY_PAD;
-  if (rows <= FEW_ROWS) return run_rows(p, it, scratch);
+  if (few_rows(p, rows)) return run_rows(p, it, scratch);
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;
   float* qt = scratch;
   float* s = qt + d * rp;

@@ -13,7 +13,7 @@ namespace avx2 {
 
 struct V {
   static constexpr int W = 8;
-  static constexpr int FEW_ROWS = 16;  // items of at most this many rows run kernel_rows.hpp
+  static constexpr int FEW_ROWS = 16, FEW_ROWS_DIMS = 16;  // items of at most this many rows run kernel_rows.hpp
   using T = __m256;
   static inline T zero() { return _mm256_setzero_ps(); }
   static inline T set1(float a) { return _mm256_set1_ps(a); }

@@ -14,7 +14,7 @@ namespace avx512 {
 
 struct V {
   static constexpr int W = 16;
-  static constexpr int FEW_ROWS = 16;  // items of at most this many rows run kernel_rows.hpp
+  static constexpr int FEW_ROWS = 16, FEW_ROWS_DIMS = 32;  // items of at most this many rows run kernel_rows.hpp
   using T = __m512;
   static inline T from_mask(__mmask16 k) { return _mm512_castsi512_ps(_mm512_movm_epi32(k)); }
   static inline __mmask16 to_mask(T a) { return _mm512_movepi32_mask(_mm512_castps_si512(a)); }

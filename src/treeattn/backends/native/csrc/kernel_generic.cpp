@@ -20,7 +20,7 @@ static inline float exp2_one(float x) {
 
 struct V {
   static constexpr int W = 8;
-  static constexpr int FEW_ROWS = 8;  // items of at most this many rows run kernel_rows.hpp
+  static constexpr int FEW_ROWS = 8, FEW_ROWS_DIMS = 8;  // items of at most this many rows run kernel_rows.hpp
   struct T { float x[W]; };
   static inline uint32_t bits(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
   static inline float from(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }

@@ -20,7 +20,14 @@
 // 1.45x / 1.2x. Since rows share each K chunk and V row, up to 16 rows gain too (16 items of 512 keys in
 // 128-key pages, h_kv 4, d 128, fp32; AVX-512 / AVX2 / generic on the same CPU): 12 rows 1.59x / 1.34x /
 // 1.11x, 16 rows 1.3x / 1.05x / 0.85x. So V::FEW_ROWS is 16 on the AVX paths, 8 on the generic one.
-constexpr int64_t FEW_ROWS = V::FEW_ROWS;
+// With a dims-major K (vLLM's cells) the rows share each of its dim rows in place of a transposed tile
+// and gain further: V::FEW_ROWS_DIMS. Measured on a Zen 5 (fp32, 576 keys per request in 128-key pages),
+// AVX-512 against run_item / the brgemm kernel: 18 rows 1.5x / 1.8x, 20 rows 1.52x / 1.58x, 30 rows 1.13x
+// / 1.19x, 32 rows 1.04x / 1.11x; with K as rows, 24 rows ran 0.96x / 1.07x (16 stays the bound there).
+static inline bool few_rows(const Problem& p, int64_t rows) {
+  return rows <= (p.k_dim != 1 ? V::FEW_ROWS_DIMS : V::FEW_ROWS);
+}
+static_assert(V::FEW_ROWS <= MAX_FEW_ROWS && V::FEW_ROWS_DIMS <= MAX_FEW_ROWS, "scratch: few_rows_floats");
 
 // Where a tile's rows are: `base + i * stride` for row i, V::W-padded wide (zeros past the real width)
 // and readable for i < the tile's key count rounded up to V::W.

@@ -314,7 +314,7 @@ void run(const Problem& p, int64_t batch, const std::string& isa) {
   for (size_t gi = 0; gi < groups.size(); ++gi) left[gi] = groups[gi].count;
   const int64_t n_items = int64_t(items.size());
   const int64_t floats = std::max(brg ? brgemm_scratch_floats(p, max_rows) : scratch_floats(p, max_rows),
-                                  few_rows_floats(p, std::min<int64_t>(max_rows, MAX_LANES))) + MAX_LANES;
+                                  few_rows_floats(p, std::min<int64_t>(max_rows, MAX_FEW_ROWS))) + MAX_LANES;
   auto work = [&](float* scratch, std::vector<float>& weights, int64_t i) {
     fn(p, items[i], scratch);
     const Group& g = groups[owner[i]];

@@ -119,7 +119,8 @@ static inline int64_t scratch_floats(const Problem& p, int64_t rows) {
          + keys * (p.d + p.dv);  // a tile of K and V rows in fp32
 }
 
-// Items of at most FEW_ROWS rows (at most MAX_LANES) run kernel_rows.hpp's run_rows, in this much.
+// Items of few rows run kernel_rows.hpp's run_rows (few_rows there: at most MAX_FEW_ROWS), in this much.
+constexpr int64_t MAX_FEW_ROWS = 32;
 static inline int64_t few_rows_floats(const Problem& p, int64_t rows) {
   const int64_t dp = (p.d + MAX_LANES - 1) / MAX_LANES * MAX_LANES, dvp = (p.dv + MAX_LANES - 1) / MAX_LANES * MAX_LANES;
   return rows * (dp + 2 * KEY_TILE + dvp + 5)  // Q, scores, visibility, O, and m, l, alpha, enter, window start
