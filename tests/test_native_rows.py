@@ -130,15 +130,19 @@ def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_without_amx():
 
 def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, **variants):
     """``native``, counting the items that ran on the bf16 pairs: on a CPU that has them, brgemm-avx512 must
-    pass its self-check (a broken path fails here instead of being skipped) and run every item there."""
+    pass its self-check (a broken path fails here instead of being skipped) and run there every item (one
+    per request and KV head: no split) of at most 24 rows with K dims-major, 4 with K as rows
+    (kernel_brgemm.hpp's FEW_BF16_ROWS_DIMS and FEW_BF16_ROWS)."""
     takes = PAIRS and isa == "brgemm-avx512"
     if takes:
         assert NativeBackend().check(isa, torch.bfloat16) is None
     before = EXTENSION.module().bf16_pairs_items()
     got = native(batch, isa, kv, sm_scale, **variants)
     ran = EXTENSION.module().bf16_pairs_items() - before
-    items = batch.k.shape[1] * (len(batch.q_indptr) - 1)  # each request's rows per KV head: one item (no split)
-    assert ran == (items if takes else 0)
+    rows = batch.q.shape[1] // batch.k.shape[1] * batch.q_indptr.diff()
+    bound = 24 if kv is not None and kv.k.stride(-1) != 1 else 4
+    want = batch.k.shape[1] * int((rows <= bound).sum()) if takes else 0
+    assert ran == want and (want > 0 or not takes)
     return got
 
 
@@ -154,8 +158,9 @@ PAIR_REQUESTS = [Request((), prefix=576, qo=1), Request(chain(2), prefix=150), R
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_items_of_few_rows_on_every_layout(isa, layout, page_size, head_dim):
     """bf16 items of 4-16 rows with head dims of whole 32-value vectors (on the brgemm path of a CPU with
-    AVX512-BF16 and no AMX, in bf16 pairs): K as rows, or dims-major in place (a 128-key page holds whole
-    tiles) or copied (pages of 3 and 16 keys, a tile's partial vector)."""
+    AVX512-BF16 and no AMX, in bf16 pairs: all with K dims-major, those of 4 rows with K as rows): K as rows,
+    or dims-major in place (a 128-key page holds whole tiles) or copied (pages of 3 and 16 keys, a tile's
+    partial vector)."""
     batch = make_batch(PAIR_REQUESTS, h_q=8, h_kv=2, d=head_dim, dtype=torch.bfloat16, seed=head_dim + page_size,
                        page_size=page_size)
     assert 4 <= rows_per_item(batch) <= 16

@@ -186,10 +186,10 @@ class NativeBackend(Backend):
         from ...plan import TreeAttentionPlan
         from ...testing import Request, binary, make_batch
 
-        # Two tiles and a short one, a tree with queries, a request without a tree (12 rows: an item of few
-        # rows), a GQA group of 4; the keys ragged, and in pages with K stored dims-major (vLLM's CPU cache:
-        # its own packing) of 16 tokens (tiles copied a page at a time) and of 64 (whole tiles read in place).
-        requests = [Request(binary(13), prefix=150), Request((), prefix=70, qo=3)]
+        # Two tiles and a short one, a tree with queries, requests without a tree (12 and 4 rows: items of
+        # few rows), a GQA group of 4; the keys ragged, and in pages with K stored dims-major (vLLM's CPU
+        # cache: its own packing) of 16 tokens (tiles copied a page at a time) and of 64 (whole tiles in place).
+        requests = [Request(binary(13), prefix=150), Request((), prefix=70, qo=3), Request((), prefix=40, qo=1)]
         cases = []
         for page_size in (16, 64):
             batch = make_batch(requests, h_q=8, h_kv=2, d=64, dtype=dtype, seed=1234, page_size=page_size)

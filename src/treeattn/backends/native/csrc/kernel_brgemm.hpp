@@ -139,17 +139,19 @@ static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) 
 // few-rows loop (kernel_rows.hpp): oneDNN's fp32 GEMM on so few (padded) rows ran 0.68-0.92x as fast on
 // Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16); with a dims-major K on AVX-512, all the few-rows
 // loop takes (few_rows: up to 32 rows, 1.1-1.8x on a Zen 5; on AVX2 it ran 0.77x at 12 rows). 16-bit items
-// stay (bf16 on AMX ran 1.25-1.5x at 3-4), except bf16 where the CPU has AVX512-BF16 and no AMX
-// (FEW_BF16_ROWS).
+// stay (bf16 on AMX ran 1.25-1.5x at 3-4), except bf16 where the CPU has AVX512-BF16 and no AMX (below).
 constexpr int64_t FEW_F32_ROWS = 8;
 
-// bf16 items of at most this many rows (all the few-rows loop takes) run it on bf16 pairs where the CPU
-// has them (kernel_rows_bf16.hpp). Measured on a Zen 5 (AVX512-BF16, 1 thread, vLLM's cells with K
-// dims-major in 128-key pages, 576 keys per request), against this kernel: 16 decodes of h 9/3, d 64 (3
-// rows) 1.7x; 6 / 9 / 12 / 15 rows 1.45x / 1.3x / 1.14x / 1.11x; h 32/8, d 128: 4 / 8 / 12 / 16 rows 1.5x /
-// 1.3x / 1.14x / 1.08x.
-constexpr int64_t FEW_BF16_ROWS = 16;
-static_assert(FEW_BF16_ROWS <= MAX_FEW_ROWS, "scratch holds few-rows items of at most MAX_FEW_ROWS rows (native.cpp)");
+// bf16 items of at most this many rows run the few-rows loop on bf16 pairs where the CPU has them
+// (kernel_rows_bf16.hpp): with K dims-major (vLLM's cells) FEW_BF16_ROWS_DIMS, with K as rows (whose scores
+// are summed across lanes key by key, row by row) FEW_BF16_ROWS. Measured on a Zen 5 (AVX512-BF16) against
+// this kernel. vLLM's cells (K dims-major in 128-key pages, 576 keys per request; 1 thread for h 9/3, d 64,
+// 2 for h 32/8, d 128): 16 decodes of h 9/3 (3 rows) 1.7x; 6 / 9 / 12 / 15 / 18 / 24 / 30 rows 1.45x / 1.3x /
+// 1.14x / 1.11x / 1.34x / 1.15x / 0.96x; h 32/8: 4 / 8 / 12 / 16 / 20 / 32 rows 1.5x / 1.3x / 1.14x / 1.08x /
+// 1.41x / 0.98x. K as rows (ragged, 4096 keys, h 32/8, d 128, 2 threads): 4 / 8 / 12 / 16 rows 1.09x / 0.9x
+// / 0.84x / 0.77x.
+constexpr int64_t FEW_BF16_ROWS = 4, FEW_BF16_ROWS_DIMS = 24;
+static_assert(FEW_BF16_ROWS_DIMS <= MAX_FEW_ROWS, "scratch holds few-rows items of at most MAX_FEW_ROWS rows (native.cpp)");
 
 // A tile's rows go through its GEMMs and softmax in chunks of this many (see run): each chunk reads only
 // the keys its rows may see, and M takes few values (oneDNN compiles a kernel per shape).
@@ -160,7 +162,8 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, esize = wide ? 4 : 2;
   const int64_t rows = (it.t1 - it.t0) * group, mp = brgemm_rows(rows);
   if (wide && (rows <= FEW_F32_ROWS || (V::W >= 16 && p.k_dim != 1 && few_rows(p, rows)))) return run_rows(p, it, scratch);
-  if (rows <= FEW_BF16_ROWS && Pairs16::usable(p)) return run_rows<Pairs16>(p, it, scratch);
+  if (rows <= (p.k_dim != 1 ? FEW_BF16_ROWS_DIMS : FEW_BF16_ROWS) && Pairs16::usable(p))
+    return run_rows<Pairs16>(p, it, scratch);
   const int64_t dp = wide ? d : (d + 1) / 2 * 2;  // the QK GEMM's K: 16-bit pairs need an even count
   const int64_t words = wide ? d : dp / 2;       // 32-bit words of a K row
   const int64_t qo = p.qo_lens[b], kv = p.kv_lens[b], n = p.tree_sizes[b], tree_lo = kv - n;

@@ -1,7 +1,7 @@
 // bf16 items of few query rows on AVX512-BF16: kernel_rows.hpp's loop (run_rows<Pairs16>) with its two
 // products in bf16 pairs (vdpbf16ps: fp32 lane i += a[2i] b[2i] + a[2i + 1] b[2i + 1], the products exact),
-// for the brgemm path's bf16 items of at most FEW_BF16_ROWS rows (kernel_brgemm.hpp): decoding tokens'
-// GQA groups, such as vLLM's plain decodes in a step with trees. The brgemm kernel packs every key tile
+// for the brgemm path's bf16 items of few rows (kernel_brgemm.hpp: up to 24 with K dims-major as in vLLM's
+// cells, 4 with K as rows): decoding tokens' GQA groups and small trees'. The brgemm kernel packs every key tile
 // (K^T and V into VNNI pairs) whatever the rows, and at 3 rows the packing costs more than the GEMMs; the
 // fp32 loop widens every K and V value into a tile first. Here bf16 values are read where they are stored:
 // - S = Q K^T with Q as stored (unscaled: a scaled Q would be rounded twice; the scores are scaled in
