@@ -217,7 +217,7 @@ def test_items_of_9_to_16_rows(isa, group):
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_items_of_17_to_32_rows_on_a_dims_major_k(isa, dtype, page_size):
     """With K dims-major (vLLM's cells) the AVX-512 paths run items of up to 32 rows as few-rows items (the
-    rows share each dim row of K): trees of a GQA group of 3 or 4 giving 17-32 rows, with tree masks on the
+    rows share each dim row of K): trees of a GQA group of 3 or 4 giving 15-32 rows, with tree masks on the
     last tiles; and with a window and sinks."""
     requests = [Request(binary(8), prefix=40), Request(chain(6), prefix=130), Request(forest(chain(3), chain(4)), prefix=7),
                 Request(star(5), prefix=300), Request((), prefix=64, qo=7)]
@@ -239,8 +239,8 @@ def test_16_bit_head_dims_odd_and_uneven(isa, dtype, head_dim):
     (VNNI) or in plain rows (fp16 on AVX512-FP16) and must pad that half with zero, from K rows and from
     a dims-major K (whose last dim pairs with nothing)."""
     skip_unless_checked(NativeBackend(isa=isa), dtype)
-    batch = make_batch([Request(binary(13), prefix=300), Request(chain(5), prefix=3, qo=2)], h_q=4, h_kv=2,
-                       d=head_dim, dtype=dtype, seed=head_dim, page_size=16)
+    batch = make_batch([Request(binary(20), prefix=300), Request(chain(5), prefix=3, qo=2)], h_q=4, h_kv=2,
+                       d=head_dim, dtype=dtype, seed=head_dim, page_size=16)  # 40 rows: no few-rows item
     want = reference(batch, head_dim**-0.5)
     assert_close_to_reference(*native(batch, isa, sm_scale=head_dim**-0.5), *want, dtype)
     assert_close_to_reference(*native(batch, isa, layouts(batch)["K dims-major"], sm_scale=head_dim**-0.5), *want,

@@ -1,11 +1,11 @@
 """The native kernel's items of few query rows: a decoding token (or two) of a GQA group, at most 16 rows per
-item, which the FMA paths run with rows outside the vectors (csrc/kernel_rows.hpp), as do the brgemm paths'
-fp32 items of at most 8 rows and, on AVX512-BF16 without AMX, their bf16 items in bf16 pairs
-(csrc/kernel_rows_bf16.hpp). Every code path this CPU has, forced, against the float64 reference (fresh random
-inputs, NaN-poisoned outputs): every variant; paged layouts whose tiles lie in one page (fp32 K/V read in
-place) or across pages (converted into a tile); head dims that are and are not whole vectors; 16-bit dtypes; a
-prefix split across threads; hidden NaN keys; MLA's V view of K. The other native tests mostly have more rows
-per item.
+item (32 on AVX-512 with K dims-major), which the FMA paths run with rows outside the vectors
+(csrc/kernel_rows.hpp), as do the brgemm paths' fp32 items of at most 8 rows (32, AVX-512, K dims-major) and,
+on AVX512-BF16 without AMX, their bf16 items in bf16 pairs (csrc/kernel_rows_bf16.hpp). Every code path this
+CPU has, forced, against the float64 reference (fresh random inputs, NaN-poisoned outputs): every variant;
+paged layouts whose tiles lie in one page (fp32 K/V read in place) or across pages (converted into a tile);
+head dims that are and are not whole vectors; 16-bit dtypes; a prefix split across threads; hidden NaN keys;
+MLA's V view of K. The other native tests mostly have more rows per item.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125
     ran = EXTENSION.module().bf16_pairs_items() - before
     rows = batch.q.shape[1] // batch.k.shape[1] * batch.q_indptr.diff()
     bound = 24 if kv is not None and kv.k.stride(-1) != 1 else 4
-    want = batch.k.shape[1] * int((rows <= bound).sum()) if takes else 0
+    runs = (rows > 0) & (batch.kv_indptr.diff() > 0) & (rows <= bound)  # requests with rows and keys
+    want = batch.k.shape[1] * int(runs.sum()) if takes else 0
     assert ran == want and (want > 0 or not takes)
     return got
 
@@ -174,8 +175,9 @@ def test_bf16_items_of_few_rows_on_every_layout(isa, layout, page_size, head_dim
 @pytest.mark.parametrize("head_dim", [32, 96])
 def test_bf16_items_of_few_rows_every_variant_in_whole_pages(isa, variant, head_dim):
     """Every variant on K dims-major in 128-key pages (tiles read in place, a 32-key tile among them), head
-    dims of one and three 32-value vectors."""
-    requests = [Request((), prefix=160, qo=1), Request(chain(2), prefix=96), Request((), prefix=32, qo=3)]
+    dims of one and three 32-value vectors; items of 4-24 rows on the pairs, and one of 28 rows not."""
+    requests = [Request((), prefix=160, qo=1), Request(chain(2), prefix=96), Request((), prefix=32, qo=3),
+                Request(chain(6), prefix=50), Request(chain(7), prefix=20)]
     batch = make_batch(requests, h_q=8, h_kv=2, d=head_dim, dtype=torch.bfloat16, seed=len(variant) + head_dim,
                        page_size=128)
     kw = _kwargs(VARIANTS[variant], 8, 2)

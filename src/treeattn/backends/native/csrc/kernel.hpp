@@ -223,8 +223,9 @@ static inline int64_t panel_vectors(int64_t left) { return left == 1 ? 1 : (left
 // Keys [j0, j0 + count) of a K stored dims-major in pages (a page's keys contiguous per dim: the K of
 // vLLM's CPU cache) as fp32 rows ld apart in dst, one page's run of keys at a time: fp32 transposed in
 // place; 16-bit widened 16 keys at a time into a small tile of 64 dims, then transposed. Value by value,
-// a tree step on vLLM's cells (16 requests of 8 tokens, h 9/3, d 64, 1 thread, Zen 5) ran 1.72x as long in
-// fp16 on AVX-512 (1.58x on AVX2), 1.10x in bf16 (1.04x on AVX2).
+// a tree step on vLLM's cells (16 requests of 8 tokens, h 9/3, d 64, 1 thread, Zen 5: items of 24 rows,
+// which on AVX-512 now take the few-rows loop) ran 1.72x as long in fp16 on AVX-512 (1.58x on AVX2),
+// 1.10x in bf16 (1.04x on AVX2).
 static void pack_dims_major(const Problem& p, const Item& it, int64_t j0, int64_t count, float* dst, int64_t ld) {
   constexpr int64_t DIMS = 64, KEYS = MAX_LANES;
   for (int64_t j = j0; j < j0 + count;) {

@@ -138,7 +138,7 @@ static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) 
 // fp32 items of at most this many rows (decoding tokens' GQA groups, tiny trees) run the FMA kernel's
 // few-rows loop (kernel_rows.hpp): oneDNN's fp32 GEMM on so few (padded) rows ran 0.68-0.92x as fast on
 // Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16); with a dims-major K on AVX-512, all the few-rows
-// loop takes (few_rows: up to 32 rows, 1.1-1.8x on a Zen 5; on AVX2 it ran 0.77x at 12 rows). 16-bit items
+// loop takes (V::FEW_ROWS_DIMS: up to 32 rows, 1.1-1.8x on a Zen 5; on AVX2 it ran 0.77x at 12 rows). 16-bit items
 // stay (bf16 on AMX ran 1.25-1.5x at 3-4), except bf16 where the CPU has AVX512-BF16 and no AMX (below).
 constexpr int64_t FEW_F32_ROWS = 8;
 
@@ -161,7 +161,7 @@ static void run(const Problem& p, const Item& it, float* scratch) {
   const bool wide = p.dtype == F32;  // 32-bit elements
   const int64_t d = p.d, dv = p.dv, group = p.group, b = it.b, esize = wide ? 4 : 2;
   const int64_t rows = (it.t1 - it.t0) * group, mp = brgemm_rows(rows);
-  if (wide && (rows <= FEW_F32_ROWS || (V::W >= 16 && p.k_dim != 1 && few_rows(p, rows)))) return run_rows(p, it, scratch);
+  if (wide && (rows <= FEW_F32_ROWS || (V::W >= 16 && p.k_dim != 1 && rows <= V::FEW_ROWS_DIMS))) return run_rows(p, it, scratch);
   if (rows <= (p.k_dim != 1 ? FEW_BF16_ROWS_DIMS : FEW_BF16_ROWS) && Pairs16::usable(p))
     return run_rows<Pairs16>(p, it, scratch);
   const int64_t dp = wide ? d : (d + 1) / 2 * 2;  // the QK GEMM's K: 16-bit pairs need an even count

@@ -22,8 +22,9 @@
 // 1.11x, 16 rows 1.3x / 1.05x / 0.85x. So V::FEW_ROWS is 16 on the AVX paths, 8 on the generic one.
 // With a dims-major K (vLLM's cells) the rows share each of its dim rows in place of a transposed tile
 // and gain further: V::FEW_ROWS_DIMS. Measured on a Zen 5 (fp32, 576 keys per request in 128-key pages),
-// AVX-512 against run_item / the brgemm kernel: 18 rows 1.5x / 1.8x, 20 rows 1.52x / 1.58x, 30 rows 1.13x
-// / 1.19x, 32 rows 1.04x / 1.11x; with K as rows, 24 rows ran 0.96x / 1.07x (16 stays the bound there).
+// AVX-512 against run_item / the brgemm kernel: 12 rows - / 1.44x, 18 rows 1.5x / 1.8x, 20 rows 1.52x /
+// 1.58x, 30 rows 1.13x / 1.19x, 32 rows 1.04x / 1.11x (fp16 and bf16 against run_item: 24 rows 1.33x and
+// 1.46x, 32 rows fp16 1.16x); with K as rows, 24 rows ran 0.96x / 1.07x (16 stays the bound there).
 static inline bool few_rows(const Problem& p, int64_t rows) {
   return rows <= (p.k_dim != 1 ? V::FEW_ROWS_DIMS : V::FEW_ROWS);
 }
