@@ -31,11 +31,6 @@ static inline __mmask16 first16(int64_t n) {  // the first n of 16 lanes (none f
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
-// Keys from j up to `left` of them that share j's page (all of them, ragged): evenly spaced in memory.
-static inline int64_t page_run(const Problem& p, int64_t j, int64_t left) {
-  return p.page_size ? imin(left, p.page_size - j % p.page_size) : left;
-}
-
 // Pointers to the `count` stored rows of keys j0 ... of item `it` in K or V (element offsets as key_offset
 // gives them): one key_offset per page.
 static void stored_rows(const Problem& p, const Item& it, const void* base, int64_t page, int64_t tok, int64_t head,
