@@ -143,6 +143,23 @@ static inline typename V::T tanh_approx(typename V::T x) {
 // [X][W] for X = d, keys or dv, so a micro-kernel's rows are contiguous and stay in L1 (a plain
 // [X][rows] layout puts consecutive X a multiple of 1 KiB apart, and they evict each other).
 
+// acc[r][k] += sum_c a[r * as + c] * b[c * bs + k * W], c < n: NR rows of `a` against rows of `b`, a
+// vector each, one row of b loaded once for every row of a; the NR * KB accumulators are independent
+// chains (one row's would wait on the FMA latency). The scores of a dims-major K (a = Q, b = K^T: keys in
+// the lanes) and the P V product (a = P, b = V) are both this (and the FMA kernel's S^T panels, qk_block).
+template <int NR, int KB>
+__attribute__((always_inline)) static inline void rank1_rows(const float* a, int64_t as, const float* b, int64_t bs,
+                                                              int64_t n, typename V::T (&acc)[NR][KB]) {
+  for (int64_t c = 0; c < n; ++c) {
+    typename V::T bv[KB];
+    for (int k = 0; k < KB; ++k) bv[k] = V::load(b + c * bs + k * V::W);
+    for (int r = 0; r < NR; ++r) {
+      const typename V::T ac = V::bcast(a + r * as + c);
+      for (int k = 0; k < KB; ++k) acc[r][k] = V::fma(ac, bv[k], acc[r][k]);
+    }
+  }
+}
+
 // S^T panel rows i0 .. i0 + NB: NB keys x RV vectors of accumulators, one broadcast key element each.
 template <int NB, int RV>
 static inline void qk_block(const float* kt, int64_t d, const float* qt, float* s) {
@@ -150,14 +167,7 @@ static inline void qk_block(const float* kt, int64_t d, const float* qt, float* 
   typename V::T acc[NB][RV];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < RV; ++j) acc[i][j] = V::zero();
-  for (int64_t k = 0; k < d; ++k) {
-    typename V::T q[RV];
-    for (int j = 0; j < RV; ++j) q[j] = V::load(qt + k * W + j * V::W);
-    for (int i = 0; i < NB; ++i) {
-      const typename V::T b = V::bcast(kt + i * d + k);
-      for (int j = 0; j < RV; ++j) acc[i][j] = V::fma(b, q[j], acc[i][j]);
-    }
-  }
+  rank1_rows<NB, RV>(kt, d, qt, W, d, acc);
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < RV; ++j) V::store(s + i * W + j * V::W, acc[i][j]);
 }

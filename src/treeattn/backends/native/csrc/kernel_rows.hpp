@@ -90,23 +90,6 @@ __attribute__((always_inline)) static inline void qk_keys(const float* q, RowTil
   V::store(s, V::sum_lanes(acc));
 }
 
-// acc[r][k] += sum_c a[r * as + c] * b[c * bs + k * W], c < n: NR rows of `a` against rows of `b`, a
-// vector each, one row of b loaded once for every row of a; the NR * KB accumulators are independent
-// chains (one row's would wait on the FMA latency). The scores of a dims-major K (a = Q, b = K^T: keys in
-// the lanes) and the P V product (a = P, b = V) are both this.
-template <int NR, int KB>
-__attribute__((always_inline)) static inline void rank1_rows(const float* a, int64_t as, const float* b, int64_t bs,
-                                                              int64_t n, typename V::T (&acc)[NR][KB]) {
-  for (int64_t c = 0; c < n; ++c) {
-    typename V::T bv[KB];
-    for (int k = 0; k < KB; ++k) bv[k] = V::load(b + c * bs + k * V::W);
-    for (int r = 0; r < NR; ++r) {
-      const typename V::T ac = V::bcast(a + r * as + c);
-      for (int k = 0; k < KB; ++k) acc[r][k] = V::fma(ac, bv[k], acc[r][k]);
-    }
-  }
-}
-
 // s[r][i0 .. i0 + KB * W) = q[r] . K[i0 + i] for NR rows (q rows dp apart, s rows ss apart) from K^T (dim
 // c's keys at kt.base + c * kt.stride).
 template <int NR, int KB>
