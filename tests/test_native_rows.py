@@ -128,11 +128,12 @@ def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_without_amx():
     assert EXTENSION.module().bf16_pairs() == want
 
 
-def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, **variants):
+def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, eligible: bool = True, **variants):
     """``native``, counting the items that ran on the bf16 pairs: on a CPU that has them, brgemm-avx512 must
     pass its self-check (a broken path fails here instead of being skipped) and run there every item (one
     per request and KV head: no split) of at most 24 rows with K dims-major, 4 with K as rows
-    (kernel_brgemm.hpp's FEW_BF16_ROWS_DIMS and FEW_BF16_ROWS)."""
+    (kernel_brgemm.hpp's FEW_BF16_ROWS_DIMS and FEW_BF16_ROWS); none where the head dims are not
+    ``eligible`` (whole 32-value vectors)."""
     takes = PAIRS and isa == "brgemm-avx512"
     if takes:
         assert NativeBackend().check(isa, torch.bfloat16) is None
@@ -142,8 +143,8 @@ def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125
     rows = batch.q.shape[1] // batch.k.shape[1] * batch.q_indptr.diff()
     bound = 24 if kv is not None and kv.k.stride(-1) != 1 else 4
     runs = (rows > 0) & (batch.kv_indptr.diff() > 0) & (rows <= bound)  # requests with rows and keys
-    want = batch.k.shape[1] * int(runs.sum()) if takes else 0
-    assert ran == want and (want > 0 or not takes)
+    want = batch.k.shape[1] * int(runs.sum()) if takes and eligible else 0
+    assert ran == want and (want > 0 or not takes or not eligible)
     return got
 
 
@@ -186,26 +187,63 @@ def test_bf16_items_of_few_rows_every_variant_in_whole_pages(isa, variant, head_
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("layout", ["ragged", "K dims-major"])
-def test_bf16_items_of_few_rows_keep_nan_to_the_rows_that_see_it(isa, layout):
-    """NaN in V of a tree key reaches only the row that sees it (the pairs take the tile's V widened, row by
-    row); a split prefix (two threads, one KV head) merges the chunks' results exactly."""
-    batch = make_batch([Request(forest(chain(2), chain(2)), prefix=70), Request((), prefix=8000, qo=2)], h_q=4,
+@pytest.mark.parametrize("layout,group", [("ragged", 1), ("K dims-major", 4)])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_bf16_items_of_few_rows_keep_nan_to_the_rows_that_see_it(isa, layout, group, poison):
+    """NaN or inf in V of a tree key reaches only the row that sees it (the pairs take the tile's V widened,
+    row by row); a split prefix (two threads, one KV head) merges the chunks' results exactly. Items of 4 and
+    2 rows with K as rows, 16 and 8 with K dims-major: on the pairs where the CPU has them."""
+    batch = make_batch([Request(forest(chain(2), chain(2)), prefix=70), Request((), prefix=8000, qo=2)], h_q=group,
                        h_kv=1, d=128, dtype=torch.bfloat16, seed=7, page_size=16)
     want = reference(batch)
     key = 70 + 1  # the last node of the first chain: only it sees itself
-    batch.v[key] = float("nan")
+    batch.v[key] = poison
     page = batch.extra["page_indices"][batch.extra["page_indptr"][0] + key // 16]
-    batch.extra["kv_pages"][page, 1, :, key % 16] = float("nan")
+    batch.extra["kv_pages"][page, 1, :, key % 16] = poison
     kv = None if layout == "ragged" else layouts(batch)[layout]
+    takes = PAIRS and isa == "brgemm-avx512"
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        if PAIRS and isa == "brgemm-avx512":
+        if takes:
             assert NativeBackend().check(isa, torch.bfloat16) is None
+        ran = EXTENSION.module().bf16_pairs_items()
         out, lse = native(batch, isa, kv)
+        ran = EXTENSION.module().bf16_pairs_items() - ran
     finally:
         torch.set_num_threads(before)
-    assert out[1].isnan().all()
+    assert ran >= 2 if takes else ran == 0  # both requests' items (the second's prefix split into chunks)
+    assert not out[1].isfinite().any()
     clean = torch.tensor([True, False, True, True, True, True])
     assert_close_to_reference(out[clean], lse[clean], want[0][clean], want[1][clean], torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("layout,page_size", [("ragged", 16), ("TVM", 16), ("K dims-major", 16)])
+def test_bf16_decodes_of_one_to_three_rows(isa, group, layout, page_size):
+    """Decodes of 1-3 query heads per KV head (no or little GQA: items of 1-3 rows, the pairs' blocks of fewer
+    than four rows), K as rows and dims-major, prefixes of whole and partial vectors."""
+    requests = [Request((), prefix=200, qo=1), Request((), prefix=33, qo=1), Request((), prefix=1, qo=1)]
+    batch = make_batch(requests, h_q=2 * group, h_kv=2, d=64, dtype=torch.bfloat16, seed=group, page_size=page_size)
+    kv = None if layout == "ragged" else layouts(batch)[layout]
+    got = on_pairs(batch, isa, kv)
+    assert_close_to_reference(*got, *reference(batch), torch.bfloat16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d,dv", [(64, 32), (128, 64), (64, 48)])
+@pytest.mark.parametrize("layout", ["ragged", "K dims-major"])
+def test_bf16_items_of_few_rows_with_a_narrower_v(isa, d, dv, layout):
+    """V's head dim of its own (V the first dv dims of the batch's): on the pairs where both are whole
+    32-value vectors, elsewhere (dv 48) not, right either way."""
+    batch = make_batch(PAIR_REQUESTS, h_q=4 if layout == "ragged" else 8, h_kv=4 if layout == "ragged" else 2, d=d,
+                       dtype=torch.bfloat16, seed=d + dv, page_size=16)
+    kv = None
+    if layout != "ragged":  # as layouts' "K dims-major", V narrowed
+        tvm = batch.extra["kv_pages"]  # [pages, 2, h_kv, page_size, d]
+        kv = PagedKV.wrap((tvm[:, 0].transpose(2, 3).contiguous().transpose(2, 3), tvm[:, 1, ..., :dv].contiguous()), "HND")
+    batch.v = batch.v[..., :dv].contiguous()
+    got = on_pairs(batch, isa, kv, sm_scale=d**-0.5, eligible=dv % 32 == 0)
+    assert got[0].shape[-1] == dv
+    assert_close_to_reference(*got, *reference(batch, d**-0.5), torch.bfloat16)

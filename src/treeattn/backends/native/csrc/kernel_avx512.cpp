@@ -119,10 +119,7 @@ static bool has_amx_bf16() {
 
 void V::widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
+  for (; i + W <= n; i += W) _mm512_storeu_ps(dst + i, widen16(src + i));
   for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 

@@ -306,9 +306,9 @@ static void run(const Problem& p, const Item& it, float* scratch) {
           store(i, e);
         }
       };
-      if (wide) loop([](typename V::T x) { return V::exp2(x); }, [&](int64_t i, typename V::T e) { V::store(pf + r * BT + i, e); });
+      if (wide) loop([&](typename V::T x) { return V::exp2(x); }, [&](int64_t i, typename V::T e) { V::store(pf + r * BT + i, e); });
       else if (p.dtype == F16)
-        loop([](typename V::T x) { return V::exp2_16(x); }, [&](int64_t i, typename V::T e) { V::store_f16(pa + r * BT + i, e); });
+        loop([&](typename V::T x) { return V::exp2_16(x); }, [&](int64_t i, typename V::T e) { V::store_f16(pa + r * BT + i, e); });
       else sum = V::exp_row_bf16(sr, width, vunit, vshift, pa + r * BT, top);
       return sum;
     };

@@ -27,6 +27,16 @@ alignas(64) static const int32_t HIGH[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
 #define PAIRS16 __attribute__((target("avx512bf16")))
 
 static inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+// The 32-bit word (a pair of bf16 values) at p[i], read as bytes: Q and P lie in float scratch.
+static inline int32_t word_at(const uint32_t* p, int64_t i) {
+  int32_t w;
+  __builtin_memcpy(&w, p + i, 4);
+  return w;
+}
+// 16 bf16 values widened to fp32 (their bits in the upper halves).
+static inline __m512 widen16(const uint16_t* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
 static inline __mmask16 first16(int64_t n) {  // the first n of 16 lanes (none for n <= 0)
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
@@ -61,7 +71,7 @@ PAIRS16 static void qk_dims_block(const uint16_t* kt, int64_t stride, const uint
       ph[k] = _mm512_unpackhi_epi16(a, b);
     }
     for (int r = 0; r < NR; ++r) {
-      const __m512bh qw = as_pairs(_mm512_set1_epi32(int32_t(q[r * qs + w])));
+      const __m512bh qw = as_pairs(_mm512_set1_epi32(word_at(q, r * qs + w)));
       for (int k = 0; k < KB; ++k) {
         lo[r][k] = _mm512_dpbf16_ps(lo[r][k], as_pairs(pl[k]), qw);
         hi[r][k] = _mm512_dpbf16_ps(hi[r][k], as_pairs(ph[k]), qw);
@@ -106,7 +116,7 @@ PAIRS16 static void pv_block(const uint16_t* const* v, int64_t count, const uint
       ph[k] = _mm512_unpackhi_epi16(a, b);
     }
     for (int r = 0; r < NR; ++r) {
-      const __m512bh pw = as_pairs(_mm512_set1_epi32(int32_t(p[r * ps + i / 2])));
+      const __m512bh pw = as_pairs(_mm512_set1_epi32(word_at(p, r * ps + i / 2)));
       for (int k = 0; k < CB; ++k) {
         acc[r][2 * k] = _mm512_dpbf16_ps(acc[r][2 * k], as_pairs(pl[k]), pw);
         acc[r][2 * k + 1] = _mm512_dpbf16_ps(acc[r][2 * k + 1], as_pairs(ph[k]), pw);
@@ -210,12 +220,9 @@ struct Pairs16 {
   // such a tile is rare, and its result within bf16's tolerance either way).
   static void widen_v(const uint16_t* const* v, int64_t count, int64_t dv, float* dst, int64_t ds) {
     const __m512i low = _mm512_load_si512(LOW), high = _mm512_load_si512(HIGH);
-    auto widen = [](const uint16_t* x) {  // 16 bf16 values to fp32: the bits in the upper halves
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-    };
     for (int64_t i = 0; i < count; ++i)
       for (int64_t c = 0; c < dv; c += 32) {
-        const __m512 a = widen(v[i] + c), b = widen(v[i] + c + 16);
+        const __m512 a = widen16(v[i] + c), b = widen16(v[i] + c + 16);
         _mm512_storeu_ps(dst + i * ds + c, _mm512_permutex2var_ps(a, low, b));
         _mm512_storeu_ps(dst + i * ds + c + 16, _mm512_permutex2var_ps(a, high, b));
       }
