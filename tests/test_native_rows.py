@@ -25,6 +25,10 @@ from treeattn.layout import PagedKV
 
 pytestmark = pytest.mark.skipif(EXTENSION.failure() is not None, reason=f"native kernel not built: {EXTENSION.failure()}")
 
+FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+# This CPU runs bf16 items of few rows in bf16 pairs (AVX512-BF16 without AMX).
+PAIRS = EXTENSION.failure() is None and EXTENSION.module().bf16_pairs()
+
 # With 4 query heads per KV head: 4 or 8 rows per item. A prefix of 150 keys is two whole tiles and a part.
 REQUESTS = [Request(chain(1), prefix=150), Request(chain(2), prefix=70), Request(forest(chain(1), chain(1)), prefix=9),
             Request((), prefix=64, qo=1), Request(chain(1))]
@@ -63,22 +67,37 @@ def test_dims_major_k_as_keys_in_the_lanes(isa, dtype, page_size):
     assert_close_to_reference(*native(batch, isa, layouts(batch)["K dims-major"]), *reference(batch), dtype)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("variant", ["dominant sinks", "window + softcap + sinks"])
-def test_long_prefix_split_across_threads(isa, variant):
-    """Two requests on one KV head are fewer items than the threads, with enough work to run in parallel
-    (native.cpp's PARALLEL_FLOPS): their prefixes are cut into chunks whose partial results (sinks left out)
-    are merged by LSE."""
-    kw = _kwargs(VARIANTS[variant], 8, 3)
+def on_two_threads(batch, isa: str, kv: PagedKV | None = None, **variants):
+    """``native`` on two threads (a long prefix is then split into chunks merged by LSE), asserting that
+    bf16 items ran on the pairs where the CPU takes them (at least one per request: every item here has
+    few enough rows)."""
+    takes = PAIRS and isa == "brgemm-avx512" and batch.q.dtype == torch.bfloat16
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        batch = make_batch([Request((), prefix=8000, qo=1), Request(chain(1), prefix=3000)], h_q=8, h_kv=1, d=128,
-                           seed=8, page_size=16)
-        got = native(batch, isa, layouts(batch)["TVM"], **kw)
+        if takes:
+            assert NativeBackend().check(isa, torch.bfloat16) is None
+        ran = EXTENSION.module().bf16_pairs_items()
+        got = native(batch, isa, kv, **variants)
+        ran = EXTENSION.module().bf16_pairs_items() - ran
     finally:
         torch.set_num_threads(before)
-    assert_close_to_reference(*got, *reference(batch, **kw), torch.float32)
+    assert ran >= len(batch.requests) if takes else ran == 0
+    return got
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("variant", ["dominant sinks", "window + softcap + sinks"])
+@pytest.mark.parametrize("dtype,layout", [(torch.float32, "TVM"), (torch.bfloat16, "K dims-major")], ids=str)
+def test_long_prefix_split_across_threads(isa, variant, dtype, layout):
+    """Two requests on one KV head are fewer items than the threads, with enough work to run in parallel
+    (native.cpp's PARALLEL_FLOPS): their prefixes are cut into chunks whose partial results (sinks left out)
+    are merged by LSE. bf16 items of 8 rows on a dims-major K: on the pairs where the CPU has them."""
+    kw = _kwargs(VARIANTS[variant], 8, 3)
+    batch = make_batch([Request((), prefix=8000, qo=1), Request(chain(1), prefix=3000)], h_q=8, h_kv=1, d=128,
+                       seed=8, page_size=16, dtype=dtype)
+    got = on_two_threads(batch, isa, layouts(batch)[layout], **kw)
+    assert_close_to_reference(*got, *reference(batch, **kw), dtype)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -115,10 +134,6 @@ def test_mla_absorbed_form(isa, paged):
     kw = dict(logit_softcap=30.0, sinks=_sinks(4, 1.0, 5), sliding_window=40)
     out, lse = native(batch, isa, kv, sm_scale=d_k**-0.5, **kw)
     assert_close_to_reference(out, lse, *reference(batch, d_k**-0.5, **kw), torch.float32)
-
-
-FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-PAIRS = EXTENSION.failure() is None and EXTENSION.module().bf16_pairs()
 
 
 @pytest.mark.skipif(not FLAGS, reason="no /proc/cpuinfo to compare with")
@@ -200,19 +215,7 @@ def test_bf16_items_of_few_rows_keep_nan_to_the_rows_that_see_it(isa, layout, gr
     batch.v[key] = poison
     page = batch.extra["page_indices"][batch.extra["page_indptr"][0] + key // 16]
     batch.extra["kv_pages"][page, 1, :, key % 16] = poison
-    kv = None if layout == "ragged" else layouts(batch)[layout]
-    takes = PAIRS and isa == "brgemm-avx512"
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        if takes:
-            assert NativeBackend().check(isa, torch.bfloat16) is None
-        ran = EXTENSION.module().bf16_pairs_items()
-        out, lse = native(batch, isa, kv)
-        ran = EXTENSION.module().bf16_pairs_items() - ran
-    finally:
-        torch.set_num_threads(before)
-    assert ran >= 2 if takes else ran == 0  # both requests' items (the second's prefix split into chunks)
+    out, lse = on_two_threads(batch, isa, None if layout == "ragged" else layouts(batch)[layout])
     assert not out[1].isfinite().any()
     clean = torch.tensor([True, False, True, True, True, True])
     assert_close_to_reference(out[clean], lse[clean], want[0][clean], want[1][clean], torch.bfloat16)
