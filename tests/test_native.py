@@ -388,3 +388,30 @@ def test_build_failure_falls_back_with_a_warning(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not be built"):
         extension.module()
 
+
+
+def test_the_operators_run_a_native_backend_object_as_configured(monkeypatch):
+    """``backend=NativeBackend(isa=...)`` through the public operators runs that path (ragged and paged, a
+    plan reused across paths), not the registry's default; each path's result is right."""
+    seen = []  # the paths of the calls the operators make (not the self-checks')
+    ragged, paged = NativeBackend.tree_attention, NativeBackend.paged_tree_attention
+
+    def spy_ragged(self, q, k, v, plan, state, **kwargs):
+        seen.append(state.isa)
+        ragged(self, q, k, v, plan, state, **kwargs)
+
+    def spy_paged(self, q, kv, plan, state, **kwargs):
+        seen.append(state.isa)
+        paged(self, q, kv, plan, state, **kwargs)
+
+    monkeypatch.setattr(NativeBackend, "tree_attention", spy_ragged)
+    monkeypatch.setattr(NativeBackend, "paged_tree_attention", spy_paged)
+    batch = make_batch(MIXED, seed=5, page_size=16)
+    want = reference(batch)
+    plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
+    for isa in ISAS:
+        got = treeattn.tree_attention(*batch.ragged_args(), sm_scale=0.125, backend=NativeBackend(isa=isa), plan=plan)
+        assert_close_to_reference(*got, *want, torch.float32)
+        got = treeattn.paged_tree_attention(*batch.paged_args(), sm_scale=0.125, backend=NativeBackend(isa=isa))
+        assert_close_to_reference(*got, *want, torch.float32)
+    assert seen == [isa for isa in ISAS for _ in range(2)]

@@ -315,8 +315,9 @@ class TreeAttentionPlan:
     def state(self, backend, spec) -> Any:
         """The per-step state ``backend`` (a ``backends.Backend``) derives from this plan for calls like
         ``spec`` (an ``AttentionSpec``): built on first use (under a lock, so threads sharing the plan build
-        it once) and reused by every later layer. The plan sits below the backends: it names neither."""
-        key = (backend.name, spec)
+        it once) and reused by every later layer. The plan sits below the backends: it names neither. Keyed
+        by the backend object: two configured differently (``NativeBackend(isa=...)``) derive their own."""
+        key = (backend, spec)
         try:
             return self._states[key]
         except KeyError:

@@ -43,11 +43,12 @@ _chosen: dict[tuple[str | None, AttentionSpec], Backend] = {}
 
 
 def select(name: str | Backend | None, spec: AttentionSpec) -> Backend:
-    """The backend that runs ``spec``: ``name``'s if it can, else the fastest capable one for ``None``.
-    Capabilities do not change while the process runs, so a choice is remembered (every layer of every
-    step asks again)."""
+    """The backend that runs ``spec``: ``name``'s if it can, else the fastest capable one for ``None``; a
+    ``Backend`` object (``NativeBackend(isa="avx2")``: one configured otherwise than the registry's) runs
+    as it is, if it can. Capabilities do not change while the process runs, so a choice by name is
+    remembered (every layer of every step asks again)."""
     if isinstance(name, Backend):
-        name = name.name
+        return _capable(name, spec)
     key = (name, spec)
     chosen = _chosen.get(key)
     if chosen is None:
@@ -55,13 +56,16 @@ def select(name: str | Backend | None, spec: AttentionSpec) -> Backend:
     return chosen
 
 
+def _capable(backend: Backend, spec: AttentionSpec) -> Backend:
+    reason = _why_not(backend, spec)
+    if reason:
+        raise ValueError(f"backend={backend.name!r} cannot run this call ({spec.describe()}): {reason}")
+    return backend
+
+
 def _select(name: str | None, spec: AttentionSpec) -> Backend:
     if name is not None:
-        backend = get_backend(name)
-        reason = _why_not(backend, spec)
-        if reason:
-            raise ValueError(f"backend={name!r} cannot run this call ({spec.describe()}): {reason}")
-        return backend
+        return _capable(get_backend(name), spec)
     reasons = []
     for candidate in BACKENDS:
         backend = get_backend(candidate)

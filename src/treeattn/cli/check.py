@@ -1,6 +1,9 @@
 """``treeattn check``: every backend that can run on the device against the float64 reference (the
 ``reference`` backend) on fresh random cases; it names the backends it skips and why (on a CPU:
-Triton, which needs CUDA; the test suite checks its kernels under Triton's interpreter)."""
+Triton, which needs CUDA; the test suite checks its kernels under Triton's interpreter). On a CPU it
+also checks every path of the native kernel this CPU has (brgemm on oneDNN's micro-kernels, the FMA
+kernel per ISA), each dtype forced onto it, and says which one each dtype runs by default and why a path
+is off: what differs from machine to machine (AVX2, AVX-512, AVX512-BF16/FP16, AMX)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import ops
-from ..backends import BACKENDS, AttentionSpec, available_backends, get_backend
+from ..backends import BACKENDS, AttentionSpec, Backend, available_backends, get_backend
 from ..rope import RoPE
 from ..testing import LSE_RTOL, MIXED, TOL, Request, binary, chain, forest, make_batch, poisoned, star
 
@@ -38,7 +41,7 @@ class Result:
     ok: bool
 
 
-def _run(backend: str, name: str, requests, dtype, page_size, rope, device) -> Result:
+def _run(backend: str | Backend, name: str, requests, dtype, page_size, rope, device, label: str | None = None) -> Result:
     batch = make_batch(requests, h_q=8, h_kv=2, d=64, dtype=dtype, seed=zlib.crc32(name.encode()),
                        page_size=page_size, device=device)
     kwargs = {}
@@ -57,11 +60,37 @@ def _run(backend: str, name: str, requests, dtype, page_size, rope, device) -> R
     out_err = (out - ref_out).abs().max().item()
     lse_err = ((lse - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)).max().item()
     ok = bool(torch.isfinite(out).all() and torch.allclose(out, ref_out, atol=atol, rtol=rtol) and lse_err <= LSE_RTOL)
-    return Result(backend, name, out_err, lse_err, ok)
+    return Result(label or str(backend), name, out_err, lse_err, ok)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
+
+
+def _native_paths(results: list[Result]) -> Table:
+    """The native kernel's paths on this CPU, each dtype forced onto each (the cases of that dtype, their
+    results added to ``results``): the worst output error, the default path per dtype, why a path is off."""
+    from ..backends.native import NativeBackend
+    from .machine import describe_cpu
+
+    native = NativeBackend()
+    dtypes = list(dict.fromkeys(case[2] for case in CASES))
+    table = Table("path", *map(_dtype_name, dtypes), title=f"native kernel paths on this CPU: {describe_cpu()}")
+    for isa in native.isas():
+        cells = []
+        for dtype in dtypes:
+            why = native.off(isa, dtype)
+            if why:
+                cells.append(f"[yellow]off[/]: {why}")
+                continue
+            mine = [_run(NativeBackend(isa=isa), name, requests, dtype, page_size, rope, "cpu", label=f"native {isa}")
+                    for name, requests, case_dtype, page_size, rope in CASES if case_dtype == dtype]
+            results.extend(mine)
+            ok = all(r.ok for r in mine)
+            cells.append(f"{'[green]ok[/]' if ok else '[red]FAIL[/]'} {max(r.out_err for r in mine):.1e}"
+                         + (" [bold](default)[/]" if native.path(dtype) == isa else ""))
+        table.add_row(isa, *cells)
+    return table
 
 
 def run_check(device: str = "cpu", console: Console | None = None) -> int:
@@ -85,6 +114,8 @@ def run_check(device: str = "cpu", console: Console | None = None) -> int:
             table.add_row(backend, name, _dtype_name(dtype), f"{r.out_err:.2e}", f"{r.lse_err:.2e}",
                           "[green]ok[/]" if r.ok else "[red]FAIL[/]")
     console.print(table)
+    if device.type == "cpu" and "native" in backends:
+        console.print(_native_paths(results))
     failed = [r for r in results if not r.ok]
     if failed:
         console.print(f"[red]{len(failed)} of {len(results)} checks failed[/]")

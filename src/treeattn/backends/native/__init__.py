@@ -114,9 +114,19 @@ class NativeBackend(Backend):
         PyTorch's brgemm does not take here (``brgemm_dtypes``) tries no brgemm path, and warns of nothing."""
         if self.isa:
             return self.isa
-        have = self.isas() if dtype in self.brgemm_dtypes() else []
-        brgemm = next((isa for isa in _ORDER if isa in have and _brgemm(isa) and not self.check(isa, dtype)), None)
+        have = self.isas()
+        brgemm = next((isa for isa in _ORDER if isa in have and _brgemm(isa) and not self.off(isa, dtype)), None)
         return brgemm if brgemm and self.pays(brgemm, dtype) else self.fma_path()
+
+    def off(self, isa: str, dtype: torch.dtype) -> str | None:
+        """Why kernel path ``isa`` (one of ``isas``) cannot be trusted with ``dtype`` on this CPU (None: it
+        can): a brgemm path where PyTorch's brgemm has no kernels for the dtype (no warning), or one that
+        failed its self-check. The FMA paths run every dtype."""
+        if not _brgemm(isa):
+            return None
+        if dtype not in self.brgemm_dtypes():
+            return f"oneDNN has no {str(dtype).removeprefix('torch.')} brgemm kernels on this CPU"
+        return self.check(isa, dtype)
 
     def fma_path(self) -> str:
         """The best FMA-kernel path this CPU has: what brgemm paths are checked and timed against."""
