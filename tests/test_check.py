@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(EXTENSION.failure() is not None, reason=f"native
 
 
 def checked() -> tuple[int, str]:
-    """``treeattn check``'s exit code and text (wide: a table row on one line)."""
-    console = Console(record=True, width=300)
+    """``treeattn check``'s exit code and text (wide enough that a table row, a self-check's error message
+    included, stays on one line)."""
+    console = Console(record=True, width=2000)
     code = run_check("cpu", console)
     return code, console.export_text()
 
@@ -51,3 +52,14 @@ def test_check_fails_when_a_native_path_is_wrong(monkeypatch):
     assert code == 1
     assert "FAIL" in text[text.index("native kernel paths on this CPU"):]
     assert "checks failed" in text
+
+
+def test_check_prints_why_a_path_is_off_as_it_is(monkeypatch):
+    """A path's reason (an exception's text, which may hold rich's markup brackets) is printed verbatim."""
+    off = NativeBackend.off
+    monkeypatch.setattr(NativeBackend, "off",
+                        lambda self, isa, dtype: "it raised [/] [bold]x" if isa == "generic" else off(self, isa, dtype))
+    code, text = checked()
+    assert code == 0
+    row = next(line for line in text.splitlines() if line.startswith("│ generic "))
+    assert row.count("off: it raised [/] [bold]x") == 3

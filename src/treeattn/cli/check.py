@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .. import ops
@@ -81,7 +82,7 @@ def _native_paths(results: list[Result]) -> Table:
         for dtype in dtypes:
             why = native.off(isa, dtype)
             if why:
-                cells.append(f"[yellow]off[/]: {why}")
+                cells.append(f"[yellow]off[/]: {escape(why)}")  # an exception's text may hold brackets
                 continue
             mine = [_run(NativeBackend(isa=isa), name, requests, dtype, page_size, rope, "cpu", label=f"native {isa}")
                     for name, requests, case_dtype, page_size, rope in CASES if case_dtype == dtype]
