@@ -349,6 +349,27 @@ def test_step_gate_tries_an_arm_for_try_steps_steps_in_a_row():
     assert gate.drafts(16) is False
 
 
+def test_step_gate_judges_a_tried_arm_on_its_new_steps_not_its_old_rate():
+    """Every step of a class ages both arms' weights: an arm that did not run for long keeps its rate
+    until it runs again, and then its new steps decide. Plain measured 25 tokens per request-second early
+    on (a slow moment) and would now give 31: the try of plain must say 31, not a blend with the old 25."""
+    gate = StepGate(try_steps=2)
+    gate.record(16, False, 16, 0.04)  # plain: 25
+    assert [gate.drafts(16) for _ in range(2)] == [True, True]
+    gate.record(16, True, 144, 0.2)  # drafting: 45
+    gate.record(16, True, 144, 0.2)
+    drafted = 0
+    while gate.drafts(16):  # drafting runs, plain is tried again after 16 x 1.8 steps
+        gate.record(16, True, 144, 0.2)
+        drafted += 1
+    assert drafted == math.ceil(16 * 45 / 25) - 1 and gate.rate(16, False) == pytest.approx(25)  # kept while unrun
+    gate.record(16, False, 16, 1 / 31)  # the try of plain, 2 steps
+    gate.record(16, False, 16, 1 / 31)
+    # the old 25 weighs 0.8^32 against the new steps' 1.8 (aged by plain's own steps alone, 0.8^2: 29.4)
+    assert gate.rate(16, False) == pytest.approx(31, rel=1e-4)
+    assert gate.rate(16, True) == pytest.approx(45)  # the running arm's rate is only aged, not moved
+
+
 @pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget"),
                                            ({"max_backoff": 0}, "max_backoff"), ({"try_steps": 0}, "try_steps")])
 def test_step_gate_refuses_bad_settings(kwargs, match):

@@ -300,21 +300,24 @@ class StepGate:
     """Whether a step of ``batch`` requests drafts at all, from measured throughput (module docstring).
 
     Per batch-size class (``batch.bit_length()``: 1, 2-3, 4-7, 8-15, ...) and per arm (drafting or
-    not), an exponentially weighted mean (``forget`` per step of that arm) of the step's emitted tokens
-    per request per second. A class with an unmeasured arm tries it (not drafting first: the drafter
-    learns its costs from plain steps); otherwise the better arm runs and the other is tried again
-    after ``probe_every`` steps of the class times how many times faster the better arm measured, at most
-    ``MAX_RATIO`` (a far worse arm is tried more rarely, but a one-off stall, a kernel build or a page
-    fault storm inside one step, cannot keep an arm untried for thousands of steps), so that a change of
-    load or text is noticed. A try runs the arm for ``try_steps`` steps in a row: one drafting step says
-    little (how many tokens a step accepts varies from step to step, and the first drafting step after
-    plain ones also catches the drafters up on the tokens they have not seen), and at concurrency 16
-    single-step tries judged drafting worse while drafting every step ran 4-5% faster than plain. A try
-    ends sooner when the arm measures ``CLEAR`` times worse than the other: no step-to-step noise (drafting
-    steps at concurrency 16 varied by about a quarter) but a real loss, which more steps would only
-    repeat. Each try that finds the same arm still better doubles that wait, up to ``max_backoff`` times (a try
-    of the worse arm costs up to a whole step's gain per step); a try that finds the other arm better
-    resets it.
+    not), an exponentially weighted mean of the step's emitted tokens per request per second. Every step
+    of the class ages both arms' weights by ``forget``: an arm that does not run keeps its rate but not
+    its weight, so when it runs again its new steps, not its old rate, decide (serving bf16 on a
+    2-core CPU, plain's rate at 16 requests stood at 25 tokens per request-second from steps long
+    before, while its steps then measured 31). A class with an
+    unmeasured arm tries it (not drafting first: the drafter learns its costs from plain steps); otherwise
+    the better arm runs and the other is tried again after ``probe_every`` steps of the class times how
+    many times faster the better arm measured, at most ``MAX_RATIO`` (a far worse arm is tried more
+    rarely, but a one-off stall, a kernel build or a page fault storm inside one step, cannot keep an arm
+    untried for thousands of steps), so that a change of load or text is noticed. A try runs the arm for ``try_steps``
+    steps in a row: one drafting step says little (how many tokens a step accepts varies from step to
+    step, and the first drafting step after plain ones also catches the drafters up on the tokens they
+    have not seen), and at concurrency 16 single-step tries judged drafting worse while drafting every
+    step ran 4-5% faster than plain. A try ends sooner when the arm measures ``CLEAR`` times worse than
+    the other: no step-to-step noise (drafting steps at concurrency 16 varied by about a quarter) but a
+    real loss, which more steps would only repeat. Each try that finds the same arm still better doubles
+    the wait, up to ``max_backoff`` times (a try of the worse arm costs up to a whole step's gain per
+    step); a try that finds the other arm better resets it.
     """
 
     MAX_RATIO = 4.0
@@ -329,15 +332,15 @@ class StepGate:
             raise ValueError(f"forget must be in (0, 1), got {forget}")
         self.probe_every, self.forget, self.max_backoff = int(probe_every), float(forget), int(max_backoff)
         self.try_steps = int(try_steps)
-        self._sums: dict[tuple[int, bool], np.ndarray] = {}  # (class, drafts) -> [weighted rate, weight]
+        self._rates: dict[tuple[int, bool], list[float]] = {}  # (class, drafts) -> [weighted mean rate, weight]
         self._since: dict[int, int] = {}  # per class, steps since the losing arm was last tried
         self._backoff: dict[int, int] = {}  # per class, the wait's factor (1, 2, 4, ... max_backoff)
         self._trying: dict[int, list] = {}  # per class, [arm being tried, its steps still to record, a re-try]
 
     def rate(self, batch: int, drafts: bool) -> float:
         """Measured tokens per request per second of an arm at this batch size; nan before any step."""
-        total, weight = self._sums.get((int(batch).bit_length(), bool(drafts)), (0.0, 0.0))
-        return total / weight if weight else float("nan")
+        measured = self._rates.get((int(batch).bit_length(), bool(drafts)))
+        return measured[0] if measured else float("nan")
 
     def drafts(self, batch: int) -> bool:
         """Whether the next step of ``batch`` requests should draft."""
@@ -364,9 +367,12 @@ class StepGate:
         if batch < 1 or tokens < batch or not seconds > 0:
             raise ValueError(f"a step has batch >= 1, tokens >= batch and seconds > 0, got {batch}, {tokens}, {seconds}")
         key = int(batch).bit_length()
-        sums = self._sums.setdefault((key, bool(drafted)), np.zeros(2))
-        sums *= self.forget
-        sums += (tokens / batch / seconds, 1.0)
+        for arm in (False, True):
+            if (key, arm) in self._rates:
+                self._rates[key, arm][1] *= self.forget
+        mean = self._rates.setdefault((key, bool(drafted)), [0.0, 0.0])
+        mean[1] += 1.0
+        mean[0] += (tokens / batch / seconds - mean[0]) / mean[1]
         trying = self._trying.get(key)
         if trying is not None and trying[0] is bool(drafted):
             trying[1] -= 1
