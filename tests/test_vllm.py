@@ -308,6 +308,15 @@ def test_ngram_drafts_were_verified_and_accepted(smollm2_runs):
         assert 0 < run["counters"]["vllm:spec_decode_num_accepted_tokens"] <= drafted
 
 
+def test_tree_drafts_come_with_the_steps_output(smollm2_runs):
+    """vLLM's engine core fetches each step's drafts from its worker with one more call (vLLM's own
+    chains here); a worker proposing trees sends them with the step's output, and the engine core makes
+    no such call (``install_engine_hooks``)."""
+    assert smollm2_runs["treeattn"]["draft_fetches"] > 0
+    assert smollm2_runs["treeattn-tree"]["draft_fetches"] == 0
+    assert smollm2_runs["treeattn-tree"]["counters"]["vllm:spec_decode_num_drafts"] > 0
+
+
 def test_smollm2_prefix_cache_was_hit(smollm2_runs):
     for run in smollm2_runs.values():
         assert run["counters"]["vllm:prefix_cache_hits"] > 0

@@ -16,8 +16,10 @@ share a process. Usage: ``python -m tests.vllm_engine SPEC.json RESULT.json``, w
 With ``"tree": {"nodes", "drafter": {"class": "module.Name", "kwargs": {...}} | "name"}`` in the spec,
 the engine verifies token trees (``treeattn.vllm.speculative.tree_speculative_config``).
 
-The result maps job names to generated token ids, ``errors`` to the refusals of each job, and
-``counters`` to vLLM's counter metrics (speculative drafts, prefix-cache hits) after all jobs.
+The result maps job names to generated token ids, ``errors`` to the refusals of each job,
+``counters`` to vLLM's counter metrics (speculative drafts, prefix-cache hits) after all jobs, and
+``draft_fetches`` to how many times the engine core called into its workers for a step's drafts
+(``take_draft_token_ids``; the engine core runs in this process).
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def main(spec_path: str, result_path: str) -> None:
     if spec.get("tree") is not None:
         engine["speculative_config"] = _speculative_config(spec["tree"])
     llm = LLM(model=spec["model"], **engine)
+    executor, fetches = llm.llm_engine.engine_core.engine_core.model_executor, []
+    take = executor.take_draft_token_ids
+    executor.take_draft_token_ids = lambda: fetches.append(1) or take()
     tokens, errors = {}, {}
     for job in spec["jobs"]:
         if "bad" in job:
@@ -95,7 +100,7 @@ def main(spec_path: str, result_path: str) -> None:
             tokens[job["name"]] = _generate(llm, job)
     counters = {m.name: m.value for m in llm.get_metrics() if type(m).__name__ == "Counter"}
     with open(result_path, "w") as f:
-        json.dump({"tokens": tokens, "errors": errors, "counters": counters}, f)
+        json.dump({"tokens": tokens, "errors": errors, "counters": counters, "draft_fetches": len(fetches)}, f)
 
 
 if __name__ == "__main__":  # vLLM starts its workers with spawn: they re-import this module

@@ -46,9 +46,10 @@ def register() -> None:
                        ENV_VAR, current_platform.device_name)
         return
     register_backend(member, f"{__name__}.backend.{cls}")
-    from .speculative import install_sampling_params_hook
+    from .speculative import install_engine_hooks, install_sampling_params_hook
 
     install_sampling_params_hook()  # here: the API server validates requests before any proposer exists
+    install_engine_hooks()  # and the engine core, which builds no proposer, takes the drafts
     logger.info("%s=1: vLLM attention backend %s now runs through treeattn (%s)", ENV_VAR, member.name, cls)
 
 

@@ -44,11 +44,13 @@ bias, allowed tokens, min tokens, min-p, structured output) get no drafts and ar
 own sampler, so their output is unchanged. (vLLM refuses min-p and logit bias under any speculation,
 as its rejection sampler cannot apply them; with trees they are accepted and served plainly.)
 
-Points 2-5 have no extension point in vLLM 0.32: ``TreeProposer`` wraps four methods of vLLM's
+Points 2-5 have no extension point in vLLM 0.32: ``TreeProposer`` wraps five methods of vLLM's
 ``GPUModelRunner`` (which its CPU runner inherits), ``_prepare_inputs``, ``propose_draft_token_ids``,
-``_sample`` and ``_setup_eagle3_aux_hidden_state_outputs``, when the first ``TreeProposer`` is built;
-the wrappers act only for a runner whose drafter is a ``TreeProposer``. They are pinned to vLLM
-``0.32.0`` (``VLLM_VERSION``).
+``_sample``, ``sample_tokens`` (the drafts go back to the engine core with the step's output) and
+``_setup_eagle3_aux_hidden_state_outputs``, when the first ``TreeProposer`` is built; the wrappers act
+only for a runner whose drafter is a ``TreeProposer``. The engine core takes those drafts without
+another call into the worker (``install_engine_hooks``: ``Scheduler.update_from_output`` and
+``EngineCore.post_step``). All are pinned to vLLM ``0.32.0`` (``VLLM_VERSION``).
 """
 
 from __future__ import annotations
@@ -590,6 +592,46 @@ def install_sampling_params_hook() -> None:
     SamplingParams._validate_spec_decode = _validate_spec_decode
 
 
+# The attribute of a step's ModelRunnerOutput that carries the drafts proposed after it (install_engine_hooks).
+_DRAFTS = "_treeattn_drafts"
+_UNSENT = object()
+
+
+def install_engine_hooks() -> None:
+    """Spare vLLM's engine core a round trip to its worker per step (the plugin runs this in every vLLM process).
+
+    After each step the engine core asks the worker for the drafts proposed in it (``post_step``:
+    ``take_draft_token_ids``), a second call into the worker process after the one that returned the
+    step's output. On a 2-core CPU it took about 2 ms of a 30 ms decoding step, every step, drafting or
+    not (the worker process has to be scheduled again). A worker with a ``TreeProposer`` sends the drafts
+    with the step's output instead (``_install_runner_hooks``: ``sample_tokens``), which vLLM pickles
+    whole, and the engine core gives them to its scheduler as ``post_step`` would have. An output without
+    them (another proposer, an empty step) leaves ``post_step`` as it is."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    update, post_step = Scheduler.update_from_output, EngineCore.post_step
+    if getattr(post_step, "_treeattn", False):
+        return
+
+    @functools.wraps(update)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        self._treeattn_drafts = getattr(model_runner_output, _DRAFTS, _UNSENT)
+        return update(self, scheduler_output, model_runner_output)
+
+    @functools.wraps(post_step)
+    def _post_step(self, model_executed: bool) -> None:
+        drafts = self.scheduler.__dict__.pop("_treeattn_drafts", _UNSENT)  # this step's: set by its update
+        if drafts is _UNSENT or not (self.check_for_draft_tokens and not self.async_scheduling and model_executed):
+            return post_step(self, model_executed)
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(drafts)
+
+    _post_step._treeattn = True
+    Scheduler.update_from_output = update_from_output
+    EngineCore.post_step = _post_step
+
+
 def _install_logitsprocs_hook() -> None:
     """vLLM builds no min_p and logit_bias processors when speculation is on; with trees its sampler
     runs the requests that use them (plainly), so the runner gets the processors it has without speculation."""
@@ -615,8 +657,11 @@ def _install_runner_hooks() -> None:
 
     if getattr(GPUModelRunner, "_treeattn_hooks", False):
         return
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
     prepare, propose, sample = (GPUModelRunner._prepare_inputs, GPUModelRunner.propose_draft_token_ids,
                                 GPUModelRunner._sample)
+    sample_tokens = GPUModelRunner.sample_tokens
     setup_aux = GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
 
     @functools.wraps(prepare)
@@ -694,6 +739,14 @@ def _install_runner_hooks() -> None:
                     self.drafter._feature_rows[b] = step.query_start[b] + np.asarray(path)
         return output
 
+    @functools.wraps(sample_tokens)
+    def _sample_tokens(self, grammar_output):
+        output = sample_tokens(self, grammar_output)
+        if (isinstance(getattr(self, "drafter", None), TreeProposer) and isinstance(output, ModelRunnerOutput)
+                and output is not EMPTY_MODEL_RUNNER_OUTPUT):  # (a shared instance: nothing may stick to it)
+            setattr(output, _DRAFTS, self.take_draft_token_ids())  # see install_engine_hooks
+        return output
+
     @functools.wraps(setup_aux)
     def _setup_eagle3_aux_hidden_state_outputs(self):
         if isinstance(getattr(self, "drafter", None), TreeProposer):
@@ -704,5 +757,6 @@ def _install_runner_hooks() -> None:
     GPUModelRunner._prepare_inputs = _prepare_inputs
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._sample = _sample
+    GPUModelRunner.sample_tokens = _sample_tokens
     GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
     GPUModelRunner._treeattn_hooks = True
