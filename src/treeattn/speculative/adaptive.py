@@ -299,25 +299,24 @@ def probe_cost(model, cost: CostModel, sizes: Sequence[int] = (1, 2, 4, 8, 16, 3
 class StepGate:
     """Whether a step of ``batch`` requests drafts at all, from measured throughput (module docstring).
 
-    Per batch-size class (``batch.bit_length()``: 1, 2-3, 4-7, 8-15, ...) and per arm (drafting or
-    not), an exponentially weighted mean of the step's emitted tokens per request per second. Every step
-    of the class ages both arms' weights by ``forget``: an arm that does not run keeps its rate but not
-    its weight, so when it runs again its new steps, not its old rate, decide (serving bf16 on a
-    2-core CPU, plain's rate at 16 requests stood at 25 tokens per request-second from steps long
-    before, while its steps then measured 31). A class with an
-    unmeasured arm tries it (not drafting first: the drafter learns its costs from plain steps); otherwise
-    the better arm runs and the other is tried again after ``probe_every`` steps of the class times how
-    many times faster the better arm measured, at most ``MAX_RATIO`` (a far worse arm is tried more
-    rarely, but a one-off stall, a kernel build or a page fault storm inside one step, cannot keep an arm
-    untried for thousands of steps), so that a change of load or text is noticed. A try runs the arm for ``try_steps``
-    steps in a row: one drafting step says little (how many tokens a step accepts varies from step to
-    step, and the first drafting step after plain ones also catches the drafters up on the tokens they
-    have not seen), and at concurrency 16 single-step tries judged drafting worse while drafting every
-    step ran 4-5% faster than plain. A try ends sooner when the arm measures ``CLEAR`` times worse than
-    the other: no step-to-step noise (drafting steps at concurrency 16 varied by about a quarter) but a
-    real loss, which more steps would only repeat. Each try that finds the same arm still better doubles
-    the wait, up to ``max_backoff`` times (a try of the worse arm costs up to a whole step's gain per
-    step); a try that finds the other arm better resets it.
+    Per batch-size class (``batch.bit_length()``: 1, 2-3, 4-7, 8-15, ...) and per arm (drafting or not), an
+    exponentially weighted mean of the step's emitted tokens per request per second. Every step of the class
+    ages both arms' weights by ``forget``: an arm that does not run keeps its rate but not its weight, so
+    when it runs again its new steps, not its old rate, decide (serving bf16 on a 2-core CPU, plain's rate
+    at 16 requests stood at 25 tokens per request-second from steps long before, while its steps then
+    measured 31). A class with an unmeasured arm tries it (not drafting first: the drafter learns its costs
+    from plain steps); otherwise the better arm runs and the other is tried again after ``probe_every``
+    steps of the class times how many times faster the better arm measured, at most ``MAX_RATIO`` (a far
+    worse arm is tried more rarely, but a one-off stall, a kernel build or a page fault storm inside one
+    step, cannot keep an arm untried for thousands of steps), so that a change of load or text is noticed. A
+    try runs the arm for ``try_steps`` steps in a row: one drafting step says little (how many tokens a step
+    accepts varies from step to step, and the first drafting step after plain ones also catches the drafters
+    up on the tokens they have not seen), and at concurrency 16 single-step tries judged drafting worse
+    while drafting every step ran 4-5% faster than plain. A try ends sooner when the arm measures ``CLEAR``
+    times worse than the other: no step-to-step noise (drafting steps at concurrency 16 varied by about a
+    quarter) but a real loss, which more steps would only repeat. Each try that finds the same arm still
+    better doubles the wait, up to ``max_backoff`` times (a try of the worse arm costs up to a whole step's
+    gain per step); a try that finds the other arm better resets it.
     """
 
     MAX_RATIO = 4.0
