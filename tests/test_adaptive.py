@@ -345,7 +345,9 @@ def test_step_gate_tries_an_arm_for_try_steps_steps_in_a_row():
     assert gate.drafts(8) is True and gate._backoff[(8).bit_length()] == 2
     gate.record(16, False, 16, 0.1)
     assert gate.drafts(16) is True
-    gate.record(16, True, 16, 0.2)  # 5: CLEAR-ly worse than plain's 10, the try ends
+    gate.record(16, True, 16, 0.2)  # 5: CLEAR-ly worse than plain's 10, but one step alone does not end a try
+    assert gate.drafts(16) is True
+    gate.record(16, True, 16, 0.2)  # two steps at 5: the try ends
     assert gate.drafts(16) is False
 
 
@@ -368,6 +370,25 @@ def test_step_gate_judges_a_tried_arm_on_its_new_steps_not_its_old_rate():
     # the old 25 weighs 0.8^32 against the new steps' 1.8 (aged by plain's own steps alone, 0.8^2: 29.4)
     assert gate.rate(16, False) == pytest.approx(31, rel=1e-4)
     assert gate.rate(16, True) == pytest.approx(45)  # the running arm's rate is only aged, not moved
+
+
+def test_step_gate_does_not_drop_a_retried_arm_on_its_first_step():
+    """A re-tried arm's rate is its new steps alone, and the first drafting step after plain ones is slow
+    (the drafters catch up on the tokens they skipped): judged on that step, drafting would be dropped at
+    every try while it pays once caught up."""
+    gate = StepGate(probe_every=4, try_steps=4)
+    gate.record(16, False, 16, 1 / 30)  # plain: 30
+    assert gate.drafts(16) is True
+    for _ in range(4):
+        gate.record(16, True, 16, 1 / 20)  # drafting: 20, 1.5x worse: plain runs
+    assert gate.drafts(16) is False
+    while not gate.drafts(16):  # plain runs until drafting's re-try
+        gate.record(16, False, 16, 1 / 30)
+    gate.record(16, True, 16, 1 / 18)  # the catching-up step: 18, 1.67x worse than plain, alone
+    assert gate.drafts(16) is True  # the try goes on
+    for _ in range(3):
+        gate.record(16, True, 160, 1 / 4)  # 40 once caught up
+    assert gate.rate(16, True) > gate.rate(16, False) and gate.drafts(16) is True  # drafting runs
 
 
 @pytest.mark.parametrize("kwargs, match", [({"probe_every": 1}, "probe_every"), ({"forget": 1.0}, "forget"),

@@ -312,11 +312,13 @@ class StepGate:
     try runs the arm for ``try_steps`` steps in a row: one drafting step says little (how many tokens a step
     accepts varies from step to step, and the first drafting step after plain ones also catches the drafters
     up on the tokens they have not seen), and at concurrency 16 single-step tries judged drafting worse
-    while drafting every step ran 4-5% faster than plain. A try ends sooner when the arm measures ``CLEAR``
-    times worse than the other: no step-to-step noise (drafting steps at concurrency 16 varied by about a
-    quarter) but a real loss, which more steps would only repeat. Each try that finds the same arm still
-    better doubles the wait, up to ``max_backoff`` times (a try of the worse arm costs up to a whole step's
-    gain per step); a try that finds the other arm better resets it.
+    while drafting every step ran 4-5% faster than plain. From its second step on, a try ends sooner when
+    the arm measures ``CLEAR`` times worse than the other: no step-to-step noise (drafting steps at
+    concurrency 16 varied by about a quarter) but a real loss, which more steps would only repeat (not on
+    the first step alone: a re-tried arm is judged on its new steps only, and the first drafting step after
+    plain ones is the drafters' catching up). Each try that finds the same arm still better doubles the
+    wait, up to ``max_backoff`` times (a try of the worse arm costs up to a whole step's gain per step); a
+    try that finds the other arm better resets it.
     """
 
     MAX_RATIO = 4.0
@@ -375,7 +377,8 @@ class StepGate:
         trying = self._trying.get(key)
         if trying is not None and trying[0] is bool(drafted):
             trying[1] -= 1
-            if trying[1] == 0 or self.rate(batch, drafted) * self.CLEAR < self.rate(batch, not drafted):
+            clear = self.try_steps - trying[1] >= 2 and self.rate(batch, drafted) * self.CLEAR < self.rate(batch, not drafted)
+            if trying[1] == 0 or clear:
                 del self._trying[key]
                 if trying[2]:  # a re-try's verdict (not the arm's first measurement): back off, or start over
                     still_worse = not self.rate(batch, drafted) > self.rate(batch, not drafted)
