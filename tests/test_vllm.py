@@ -351,6 +351,7 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
                        tree={"nodes": 8, "drafter": oracle}, **engine)
     assert trees["tokens"] == tp1["tokens"]
     assert trees["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert trees["draft_fetches"] == 0  # the drafts came back pickled with the output from worker processes
 
 
 # ---------------------------------------------------------------- tree speculation (treeattn.vllm.speculative)

@@ -62,6 +62,7 @@ import json
 import logging
 import os
 import pickle
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -604,13 +605,19 @@ def install_engine_hooks() -> None:
     ``take_draft_token_ids``), a second call into the worker process after the one that returned the
     step's output. On a 2-core CPU it took about 2 ms of a 30 ms decoding step, every step, drafting or
     not (the worker process has to be scheduled again). A worker with a ``TreeProposer`` sends the drafts
-    with the step's output instead (``_install_runner_hooks``: ``sample_tokens``), which vLLM pickles
-    whole, and the engine core gives them to its scheduler as ``post_step`` would have. An output without
-    them (another proposer, an empty step) leaves ``post_step`` as it is."""
+    with the step's output instead (``_install_runner_hooks``: ``sample_tokens``; an attribute, which
+    pickling keeps where the worker is another process), and the engine core gives them to its scheduler
+    as ``post_step`` would have. An output without them (another proposer, an empty step) leaves
+    ``post_step`` as it is. Only a process that has loaded vLLM's engine core is hooked (vLLM's engine-core
+    process and ``vllm.LLM``'s have, before they run the plugins; importing it would cost the others, the
+    workers and vLLM's model inspection, seconds); an engine core not hooked fetches the drafts by the call."""
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is None:
+        return
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
 
-    update, post_step = Scheduler.update_from_output, EngineCore.post_step
+    engine_core = core.EngineCore
+    update, post_step = Scheduler.update_from_output, engine_core.post_step
     if getattr(post_step, "_treeattn", False):
         return
 
@@ -629,7 +636,7 @@ def install_engine_hooks() -> None:
 
     _post_step._treeattn = True
     Scheduler.update_from_output = update_from_output
-    EngineCore.post_step = _post_step
+    engine_core.post_step = _post_step
 
 
 def _install_logitsprocs_hook() -> None:
