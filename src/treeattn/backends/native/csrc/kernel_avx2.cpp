@@ -77,13 +77,12 @@ struct V {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }
-  // exp2 for x <= 8 (or -inf) to 3e-6 relative, for probabilities rounded to 16 bits (see kernel_avx512.cpp).
-  template <int DEGREE = 4>
-  static inline T exp2_16(T x) {  // DEGREE 3: EXP2_POLY_BF16's accuracy
+  // exp2 for x <= 8 (or -inf), to the accuracy of exp2_poly<DEGREE> (see kernel_avx512.cpp).
+  template <int DEGREE>
+  static inline T exp2_shifted(T x) {
     x = _mm256_max_ps(_mm256_set1_ps(-127.0f), x);
     const __m256 whole = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, whole);
-    const __m256 poly = DEGREE == 3 ? horner(f, EXP2_POLY_BF16, 4) : horner(f, EXP2_POLY_16, 5);
+    const __m256 poly = horner(_mm256_sub_ps(x, whole), exp2_poly<DEGREE>(), DEGREE + 1);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(whole), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(poly, _mm256_castsi256_ps(e));
   }
@@ -118,7 +117,7 @@ void V::widen_f16(const uint16_t* src, float* dst, int64_t n) {
 V::T V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top) {
   __m256 sum = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += W) {
-    const __m256 x = _mm256_loadu_ps(s + i), e = exp2_16<3>(_mm256_fmadd_ps(x, unit, shift));
+    const __m256 x = _mm256_loadu_ps(s + i), e = exp2_shifted<3>(_mm256_fmadd_ps(x, unit, shift));
     top = _mm256_max_ps(top, x);
     sum = _mm256_add_ps(sum, e);
     const __m256i u = _mm256_castps_si256(e), high = _mm256_srli_epi32(u, 16);

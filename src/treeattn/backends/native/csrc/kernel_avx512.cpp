@@ -70,21 +70,19 @@ struct V {
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(poly, _mm512_castsi512_ps(e));
   }
-  // exp2 for x <= 8 (or -inf: the softmax's shifted scores) to 3e-6 relative (a degree-4 fit on
-  // [-0.5, 0.5]): probabilities that are rounded to 16 bits (2^-8 or 2^-11) need no more, and the softmax
-  // of 16-bit dtypes spends most of its time here. At or below -125 the result is exactly 0 (a masked
-  // key's -inf among them: its NaN fraction is masked off too), so that no lane ever makes a denormal:
-  // each one costs a microcode assist of ~100 cycles on Intel cores (a masked tile of -inf scores ran
-  // 1.5x slower scaled to 2^-160). NaN stays NaN.
-  template <int DEGREE = 4>
-  static inline T exp2_16(T x) {  // DEGREE 3: EXP2_POLY_BF16's accuracy
+  // exp2 for x <= 8 (or -inf: the softmax's shifted scores), to the accuracy of exp2_poly<DEGREE>: the
+  // probabilities' dtype needs no more, and the softmax spends most of its time here. At or below -125 the
+  // result is exactly 0 (a masked key's -inf among them: its NaN fraction is masked off too), so that no
+  // lane ever makes a denormal: each one costs a microcode assist of ~100 cycles on Intel cores (a masked
+  // tile of -inf scores ran 1.5x slower scaled to 2^-160). NaN stays NaN. Four instructions fewer than exp2.
+  template <int DEGREE>
+  static inline T exp2_shifted(T x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLE_UQ);
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, whole);
-    const __m512 poly = DEGREE == 3 ? horner(f, EXP2_POLY_BF16, 4) : horner(f, EXP2_POLY_16, 5);
+    const __m512 poly = horner(_mm512_sub_ps(x, whole), exp2_poly<DEGREE>(), DEGREE + 1);
     return _mm512_maskz_scalef_ps(live, poly, whole);
   }
-  // The softmax's exponentials for bf16 probabilities: dst[i] = bf16(exp2_16<3>(s[i] * unit + shift)) rounded
+  // The softmax's exponentials for bf16 probabilities: dst[i] = bf16(exp2_shifted<3>(s[i] * unit + shift)) rounded
   // as float_to_bf16 does, top = max(top, s[i]), for i < n (a multiple of W); returns their sum in lanes.
   // With AVX512-BF16 (every CPU whose bf16 brgemm pays) the rounding is one instruction.
   static T exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, T& top);
@@ -137,14 +135,14 @@ __attribute__((target("avx512bf16"))) static __m512 exp_row_bf16_native(const fl
   int64_t i = 0;
   for (; i + 2 * V::W <= n; i += 2 * V::W) {
     const __m512 x0 = _mm512_loadu_ps(s + i), x1 = _mm512_loadu_ps(s + i + V::W);
-    const __m512 e0 = V::exp2_16<3>(_mm512_fmadd_ps(x0, unit, shift));
-    const __m512 e1 = V::exp2_16<3>(_mm512_fmadd_ps(x1, unit, shift));
+    const __m512 e0 = V::exp2_shifted<3>(_mm512_fmadd_ps(x0, unit, shift));
+    const __m512 e1 = V::exp2_shifted<3>(_mm512_fmadd_ps(x1, unit, shift));
     max = _mm512_max_ps(max, _mm512_max_ps(x0, x1));
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
     _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));  // e0 in the low half
   }
   for (; i < n; i += V::W) {
-    const __m512 x = _mm512_loadu_ps(s + i), e = V::exp2_16<3>(_mm512_fmadd_ps(x, unit, shift));
+    const __m512 x = _mm512_loadu_ps(s + i), e = V::exp2_shifted<3>(_mm512_fmadd_ps(x, unit, shift));
     max = _mm512_max_ps(max, x);
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
@@ -157,7 +155,7 @@ V::T V::exp_row_bf16(const float* s, int64_t n, T unit, T shift, uint16_t* dst, 
   if (has_avx512_bf16()) return exp_row_bf16_native(s, n, unit, shift, dst, top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += W) {
-    const __m512 x = _mm512_loadu_ps(s + i), e = exp2_16<3>(_mm512_fmadd_ps(x, unit, shift));
+    const __m512 x = _mm512_loadu_ps(s + i), e = exp2_shifted<3>(_mm512_fmadd_ps(x, unit, shift));
     top = _mm512_max_ps(top, x);
     sum = _mm512_add_ps(sum, e);
     const __m512i u = _mm512_castps_si512(e), high = _mm512_srli_epi32(u, 16);

@@ -288,10 +288,14 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     // whose scores are used as computed (no mask, no soft-cap) is read once, its max taken alongside the
     // exponentials (the rare row whose max rose past the slack is taken again). Other tiles store their
     // final scores in a first pass that also takes the max. Scores stay in s; probabilities go to P in
-    // the dtype the PV GEMM reads. The sums of a block of V::W rows are folded at once.
-    const bool raw = !masked && p.cap2 == 0.0f;
-    const float unit = raw ? p.q_scale : 1.0f;
-    const typename V::T vunit = V::set1(unit);
+    // the dtype the PV GEMM reads. The sums of a block of V::W rows are folded at once. The mask is
+    // applied per chunk of rows, from its first key that some row of the chunk does not see (`clear`, below):
+    // a chunk that sees all its keys (a prefill's rows past a tile, a tree's rows below a tile of their
+    // common ancestors) runs as an unmasked tile does.
+    int64_t clear = 0;
+    bool raw = false;
+    float unit = 1.0f;
+    typename V::T vunit = V::set1(unit);
     // Row r's exponentials of its first `width` keys against shift into P, its scores' max into top;
     // returns their sum in lanes.
     auto exp_pass = [&](int64_t r, int64_t width, float shift, typename V::T& top) {
@@ -308,9 +312,9 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       };
       // [&], though nothing is captured: a captureless lambda gets a static invoker returning a vector, and
       // GCC warns of its ABI (-Wpsabi) on every build.
-      if (wide) loop([&](typename V::T x) { return V::exp2(x); }, [&](int64_t i, typename V::T e) { V::store(pf + r * BT + i, e); });
+      if (wide) loop([&](typename V::T x) { return V::template exp2_shifted<6>(x); }, [&](int64_t i, typename V::T e) { V::store(pf + r * BT + i, e); });
       else if (p.dtype == F16)
-        loop([&](typename V::T x) { return V::exp2_16(x); }, [&](int64_t i, typename V::T e) { V::store_f16(pa + r * BT + i, e); });
+        loop([&](typename V::T x) { return V::template exp2_shifted<4>(x); }, [&](int64_t i, typename V::T e) { V::store_f16(pa + r * BT + i, e); });
       else sum = V::exp_row_bf16(sr, width, vunit, vshift, pa + r * BT, top);
       return sum;
     };
@@ -330,12 +334,19 @@ static void run(const Problem& p, const Item& it, float* scratch) {
       if (raw) {
         for (int64_t i = 0; i < width; i += V::W) top = V::max(top, V::load(sr + i));
       } else {
-        for (int64_t i = 0; i < width; i += V::W) {
-          typename V::T x = V::mul(V::load(sr + i), scale);
-          if (p.cap2 != 0.0f) x = V::mul(tanh_approx(x), cap);
-          if (masked)
-            x = V::select(V::band(V::range(klo + i, khi + i, enter[r]), V::range(wlo + i, whi + i, row_lo[r])), x,
-                          minus_inf);
+        auto score = [&](int64_t i) {
+          const typename V::T x = V::mul(V::load(sr + i), scale);
+          return p.cap2 != 0.0f ? V::mul(tanh_approx(x), cap) : x;
+        };
+        int64_t i = 0;
+        for (; i < clear; i += V::W) {
+          const typename V::T x = score(i);
+          V::store(sr + i, x);
+          top = V::max(top, x);
+        }
+        for (; i < width; i += V::W) {
+          const typename V::T x = V::select(
+              V::band(V::range(klo + i, khi + i, enter[r]), V::range(wlo + i, whi + i, row_lo[r])), score(i), minus_inf);
           V::store(sr + i, x);
           top = V::max(top, x);
         }
@@ -351,6 +362,23 @@ static void run(const Problem& p, const Item& it, float* scratch) {
     for (int64_t c0 = 0; c0 < rows; c0 += step) {
       const int64_t c1 = imin(c0 + step, rows), m_rows = imin(c0 + step, mp) - c0, width = seen(c0, c1);
       if (width == 0) continue;
+      // The chunk's leading keys that each of its rows sees (whole vectors of them); all, if the tile is unmasked.
+      clear = width;
+      if (masked) {
+        int32_t elo = ALWAYS, ehi = NEVER, wlo_min = ALWAYS, wlo_max = NEVER;
+        for (int64_t r = c0; r < c1; ++r) {
+          elo = enter[r] < elo ? enter[r] : elo;
+          ehi = enter[r] > ehi ? enter[r] : ehi;
+          wlo_min = row_lo[r] < wlo_min ? row_lo[r] : wlo_min;
+          wlo_max = row_lo[r] > wlo_max ? row_lo[r] : wlo_max;
+        }
+        int64_t i = 0;
+        while (i < imin(width, count) && klo[i] <= elo && ehi < khi[i] && wlo[i] <= wlo_min && wlo_max < whi[i]) ++i;
+        clear = i / V::W * V::W;
+      }
+      raw = clear == width && p.cap2 == 0.0f;
+      unit = raw ? p.q_scale : 1.0f;
+      vunit = V::set1(unit);
       brgemm(p.dtype, m_rows, width, dp, dp, BT, BT, false, qa + c0 * dp * esize, kt, s + c0 * BT);
       for (int64_t r0 = c0; r0 < c1; r0 += V::W) {
         const int64_t nr = imin(V::W, c1 - r0);

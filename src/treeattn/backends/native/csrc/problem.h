@@ -28,6 +28,12 @@ constexpr float EXP2_POLY_16[] = {9.57009568810463e-3f, 5.591785907745361e-2f, 2
 // Degree 3, to 7.5e-5 relative: probabilities rounded to bf16 (2^-9) need no more (exp_row_bf16).
 constexpr float EXP2_POLY_BF16[] = {5.517144873738289e-2f, 2.426111102104187e-1f, 6.932610273361206e-1f,
                                     9.999280571937561e-1f};
+// The polynomial of a degree: 6 (fp32 probabilities), 4 (fp16) or 3 (bf16).
+template <int DEGREE>
+constexpr const float* exp2_poly() {
+  static_assert(DEGREE == 3 || DEGREE == 4 || DEGREE == 6, "exp2 polynomials: degree 3, 4 or 6");
+  return DEGREE == 3 ? EXP2_POLY_BF16 : DEGREE == 4 ? EXP2_POLY_16 : EXP2_POLY;
+}
 
 struct Problem {
   int32_t dtype;
