@@ -9,7 +9,8 @@ size, causal: what CPU_ATTN runs) and a 512-token prefill. treeattn's
 call is what vLLM's impl runs per layer (``PagedCall.run`` into preallocated outputs); the step's host
 work, paid once for all layers, is timed apart: the builder's plan (``treeattn.vllm.batch.step_plan``)
 and the first layer's ``prepare_paged_tree_attention`` (checks, backend choice, the kernel's tables).
-treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here).
+treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here); the
+table names the kernel path each dtype ran on.
 
 Each step is timed twice: warm (one layer's cache called again and again, so it stays in the CPU's
 caches) and as in a model (the calls go round the caches of ``LAYERS`` layers, SmolLM2's 30: each layer's
@@ -31,6 +32,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from treeattn import PagedKV, prepare_paged_tree_attention
+from treeattn.backends.native import NativeBackend
 from treeattn.cli.machine import describe_cpu
 from treeattn.vllm.backend import shared_cpu_isa
 from treeattn.vllm.batch import split_kv_cache, step_plan
@@ -96,7 +98,8 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
             scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table_t, softcap=0,
             scheduler_metadata=scheduler, s_aux=None)
 
-    cells = f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} | {step_ms:.2f} |"
+    path = NativeBackend().path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
+    cells = f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} (`{path}`) | {step_ms:.2f} |"
     for count in (1, LAYERS):  # warm, then as in a model
         ours, theirs = paired_ms(in_turn(lambda kv: call.run(q, kv, out=out, lse=lse), pages[:count]),
                                  in_turn(cpu_attn, halves[:count]))
