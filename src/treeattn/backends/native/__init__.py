@@ -20,7 +20,8 @@ Kernel paths (``isas()``: the ones this CPU has), picked per dtype at run time:
 - ``avx512`` / ``avx2`` / ``generic``: the FMA kernel (``csrc/kernel.hpp``) on 16 or 8 fp32 lanes, or
   portable C++; every dtype is widened to fp32.
 The default takes, per dtype, the first of ``_ORDER``'s paths this CPU has, a brgemm path only where it
-passes its check and pays (it runs a probe of tree steps at least 1.05x as fast as the FMA kernel here).
+passes its check and pays (it runs a probe of serving steps, tree verifications and a prefill, at least
+1.05x as fast as the FMA kernel here).
 ``TREEATTN_NATIVE_ISA`` or ``NativeBackend(isa=...)`` forces one path for every dtype.
 
 Every attention variant runs in the kernel: a sliding window bounds each work item's keys (keys below
@@ -51,7 +52,7 @@ _MAX_WINDOW = 1 << 62  # larger windows (past any context) are passed as this, w
 
 
 # Path preference, every dtype (names that this CPU lacks are skipped). A brgemm path is taken for a dtype
-# only where it is correct here (its self-check) and pays: on a probe of tree-verification steps (`speed`,
+# only where it is correct here (its self-check) and pays: on a probe of serving steps (`speed`,
 # once per process and dtype, on the process's threads) it runs at least _MIN_GAIN times as fast as the
 # best FMA path. The kernels are timed, not the chips' peaks: the brgemm kernel spends its FLOPs in
 # oneDNN's GEMMs at ~90% of their peak, the FMA kernel at ~45% of its own, so peaks mislead. Measured on
@@ -139,9 +140,12 @@ class NativeBackend(Backend):
         return brgemm >= _MIN_GAIN * fma
 
     def speed(self, isa: str, dtype: torch.dtype) -> tuple[float, float]:
-        """(brgemm path ``isa``'s, the best FMA path's) GFLOP/s on ``dtype`` tree steps: a probe of 4
-        requests of 16-node trees after 1000-token prefixes (h 16/4, d 128, 0.5 GFLOP), on this process's
-        threads, the best of 3 interleaved calls each; measured once per process; 0.0 for a path that raises."""
+        """(brgemm path ``isa``'s, the best FMA path's) GFLOP/s on ``dtype`` serving steps: a probe of 4
+        requests of 16-node trees after 1000-token prefixes and a 256-token prefill (h 16/4, d 128, 0.8
+        GFLOP), on this process's threads, the best of 3 interleaved calls each; measured once per process;
+        0.0 for a path that raises. The prefill is there since the tree steps alone tie in fp32 on a Zen 5
+        (brgemm 0.99-1.16x the FMA kernel over nine processes, each taking either path) while prefills run
+        1.07-1.19x faster on brgemm there."""
         key = (self.extension, isa, dtype)
         with self._check_lock:
             if key not in self._speeds:
@@ -150,13 +154,13 @@ class NativeBackend(Backend):
 
     def _probe(self, isa: str, dtype: torch.dtype) -> tuple[float, float]:
         from ...plan import TreeAttentionPlan
-        from ...testing import Request, make_batch, random_tree
+        from ...testing import Request, chain, make_batch, random_tree
         from ...tree import tree_depths
 
         rng = np.random.default_rng(0)
-        trees = [random_tree(rng, 16) for _ in range(4)]
-        batch = make_batch([Request(t, prefix=1000) for t in trees], h_q=16, h_kv=4, d=128, dtype=dtype, seed=7)
-        visible = sum(len(t) * 1000 + int((tree_depths(t) + 1).sum()) for t in trees)
+        requests = [Request(random_tree(rng, 16), prefix=1000) for _ in range(4)] + [Request(chain(256))]
+        batch = make_batch(requests, h_q=16, h_kv=4, d=128, dtype=dtype, seed=7)
+        visible = sum(r.n * r.prefix + int((tree_depths(r.parents) + 1).sum()) for r in requests)
         flops = 4.0 * 16 * 128 * visible
         plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
         spec = AttentionSpec(torch.device("cpu"), dtype, 16, 4, 128, 128)
