@@ -316,6 +316,14 @@ def test_hidden_nan_keys_do_not_leak(isa, dtype):
     want = reference(wide)
     wide.v[5 + 29] = float("nan")
     assert_only_row_nan(*native(wide, isa), want, 29, dtype)
+    # A chain's rows past a key all see it: the brgemm paths run it unmasked in the chunks of rows that
+    # come later (their `clear` keys), and its NaN still reaches exactly the rows that see it.
+    long = make_batch([Request(chain(200), prefix=5)], h_q=8, h_kv=2, d=16, seed=8, dtype=dtype)
+    want = reference(long)
+    long.v[5 + 20] = float("nan")
+    out, lse = native(long, isa)
+    assert out[20:].isnan().all()
+    assert_close_to_reference(out[:20], lse[:20], want[0][:20], want[1][:20], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
