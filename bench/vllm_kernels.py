@@ -10,7 +10,9 @@ call is what vLLM's impl runs per layer (``PagedCall.run`` into preallocated out
 work, paid once for all layers, is timed apart: the builder's plan (``treeattn.vllm.batch.step_plan``)
 and the first layer's ``prepare_paged_tree_attention`` (checks, backend choice, the kernel's tables).
 treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here); the
-table names the kernel path each dtype ran on.
+table names the kernel path each dtype ran on. On a CPU with AMX, run it also with
+``TREEATTN_NATIVE_BF16_PAIRS=on``: bf16 decodes then run on the bf16 pairs instead of AMX's tiles (the
+pairs are off there by default, unmeasured against them).
 
 Each step is timed twice: warm (one layer's cache called again and again, so it stays in the CPU's
 caches) and as in a model (the calls go round the caches of ``LAYERS`` layers, SmolLM2's 30: each layer's

@@ -10,6 +10,9 @@ MLA's V view of K. The other native tests mostly have more rows per item.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from tests.helpers import Request, assert_close_to_reference, chain, forest, mak
 from tests.test_native import ISAS, layouts, native, reference
 from tests.test_native_variants import check_paged_variants
 from tests.test_variants import VARIANTS, _kwargs, _sinks
-from treeattn.backends.native import NativeBackend
+from treeattn.backends.native import PAIRS_ENV_VAR, NativeBackend
 from treeattn.backends.native.build import EXTENSION
 from treeattn.layout import PagedKV
 
@@ -138,9 +141,34 @@ def test_mla_absorbed_form(isa, paged):
 
 @pytest.mark.skipif(not FLAGS, reason="no /proc/cpuinfo to compare with")
 def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_without_amx():
-    """The tests below reach the bf16 pairs on such a CPU: the extension says it takes them."""
-    want = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= FLAGS and "amx_bf16" not in FLAGS
+    """The tests below reach the bf16 pairs on such a CPU: the extension says it takes them (unless
+    TREEATTN_NATIVE_BF16_PAIRS forces them on, wherever the CPU has AVX512-BF16, or off)."""
+    bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= FLAGS
+    forced = os.environ.get(PAIRS_ENV_VAR, "")
+    want = bf16 and (forced == "on" or (forced == "" and "amx_bf16" not in FLAGS))
     assert EXTENSION.module().bf16_pairs() == want
+
+
+@pytest.mark.skipif("avx512_bf16" not in FLAGS, reason="this CPU has no AVX512-BF16: no bf16 pairs to force")
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_bf16_pairs_forced_on_or_off(mode):
+    """TREEATTN_NATIVE_BF16_PAIRS forces the pairs off (their items then run on brgemm) or on (on an AMX
+    CPU too, where they are otherwise off): this file's bf16 cases in a fresh process, against the float64
+    reference, each counting the items that ran on the pairs (all of the few-row ones, or none)."""
+    if os.environ.get(PAIRS_ENV_VAR):
+        pytest.skip(f"{PAIRS_ENV_VAR} is set for this whole run")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
+                             "(bfloat16 or run_where) and not forced", "tests/test_native_rows.py"],
+                            cwd=Path(__file__).resolve().parents[1], env={**os.environ, PAIRS_ENV_VAR: mode},
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
+
+
+def test_a_bad_bf16_pairs_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(PAIRS_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=f"{PAIRS_ENV_VAR} must be 'on' or 'off'.*'yes'"):
+        NativeBackend()
 
 
 def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, eligible: bool = True, **variants):

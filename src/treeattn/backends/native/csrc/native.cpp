@@ -25,7 +25,7 @@ void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
 float fma_loop_avx2(int64_t iters);
 float fma_loop_avx512(int64_t iters);
-bool bf16_pairs_avx512();
+bool bf16_pairs_avx512(int32_t mode);
 int64_t bf16_pairs_items_avx512();
 #endif
 
@@ -95,9 +95,20 @@ const std::vector<std::string>& brgemm_16bit() {
 
 // Whether brgemm-avx512's bf16 items of few query rows (head dims multiples of 32) run on AVX512-BF16's
 // pairs here (kernel_rows_bf16.hpp): AVX512-BF16 without AMX. And how many items have, in this process.
+// TREEATTN_NATIVE_BF16_PAIRS: "on" 1, "off" 0, unset -1 (Problem::pairs); read once per process (the Python
+// side rejects any other value before a call).
+int32_t pairs_mode() {
+  static const int32_t mode = [] {
+    const char* force = std::getenv("TREEATTN_NATIVE_BF16_PAIRS");
+    const std::string value = force ? force : "";
+    return value == "on" ? 1 : value == "off" ? 0 : -1;
+  }();
+  return mode;
+}
+
 bool bf16_pairs() {
 #if defined(__x86_64__)
-  return has_avx512() && bf16_pairs_avx512();
+  return has_avx512() && bf16_pairs_avx512(pairs_mode());
 #else
   return false;
 #endif
@@ -361,6 +372,7 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const bool paged = page_size > 0;
   TORCH_CHECK(k.dim() == (paged ? 4 : 3) && v.dim() == k.dim(), "k/v must be ", paged ? "[pages, page_size, h_kv, d]" : "[tokens, h_kv, d]");
   Problem p{};
+  p.pairs = pairs_mode();
   p.dtype = dtype_code(q);
   p.q = q.data_ptr();
   p.q_row = q.stride(0);
