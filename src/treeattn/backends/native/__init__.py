@@ -65,10 +65,6 @@ _ORDER = ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic")
 # read once per process): by default it runs where the CPU has AVX512-BF16 and no AMX. Against AMX's tiles
 # it is unmeasured; `on` lets a Sapphire Rapids measure it (bench/vllm_kernels.py's decodes).
 PAIRS_ENV_VAR = "TREEATTN_NATIVE_BF16_PAIRS"
-# Forces the brgemm path's loop on bf16 pairs for bf16 items of few rows on or off (csrc/kernel_rows_bf16.hpp,
-# read once per process): by default it runs where the CPU has AVX512-BF16 and no AMX; against AMX's tiles
-# it is unmeasured, which `on` lets a Sapphire Rapids measure (bench/vllm_kernels.py's decodes).
-PAIRS_ENV_VAR = "TREEATTN_NATIVE_BF16_PAIRS"
 _MIN_GAIN = 1.05
 # A brgemm path's self-check tolerance against the FMA kernel (both accumulate in fp32), absolute and
 # relative: both round the output to the dtype (an ulp each: 2^-8 bf16, 2^-11 fp16), and the brgemm path
@@ -103,10 +99,6 @@ class NativeBackend(Backend):
 
     def __init__(self, isa: str | None = None, extension: Extension = EXTENSION):
         self.isa = isa if isa is not None else os.environ.get("TREEATTN_NATIVE_ISA", "")
-        pairs = os.environ.get(PAIRS_ENV_VAR, "")
-        if pairs not in ("", "on", "off"):
-            raise ValueError(f"{PAIRS_ENV_VAR} must be 'on' or 'off' (unset: on where the CPU has AVX512-BF16 "
-                             f"and no AMX), got {pairs!r}")
         pairs = os.environ.get(PAIRS_ENV_VAR, "")
         if pairs not in ("", "on", "off"):
             raise ValueError(f"{PAIRS_ENV_VAR} must be 'on' or 'off' (unset: on where the CPU has AVX512-BF16 "
