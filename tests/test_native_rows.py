@@ -199,13 +199,13 @@ PAIR_REQUESTS = [Request((), prefix=576, qo=1), Request(chain(2), prefix=150), R
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,page_size", [("ragged", 16), ("TVM", 16), ("K dims-major", 3), ("K dims-major", 16),
-                                              ("K dims-major", 128)])
+                                              ("K dims-major", 40), ("K dims-major", 128)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_items_of_few_rows_on_every_layout(isa, layout, page_size, head_dim):
     """bf16 items of 4-16 rows with head dims of whole 32-value vectors (on the brgemm path of a CPU with
     AVX512-BF16 and no AMX, in bf16 pairs: all with K dims-major, those of 4 rows with K as rows): K as rows,
-    or dims-major in place (a 128-key page holds whole tiles) or copied (pages of 3 and 16 keys, a tile's
-    partial vector)."""
+    or dims-major in place (a 128-key page holds whole tiles) or copied (pages of 3, 16 and 40 keys: runs
+    within one vector and across two, a tile's partial vector)."""
     batch = make_batch(PAIR_REQUESTS, h_q=8, h_kv=2, d=head_dim, dtype=torch.bfloat16, seed=head_dim + page_size,
                        page_size=page_size)
     assert 4 <= rows_per_item(batch) <= 16

@@ -53,6 +53,17 @@ static void stored_rows(const Problem& p, const Item& it, const void* base, int6
   }
 }
 
+// `rows` runs of n <= 64 16-bit values, src / dst rows `ss` / `ds` values apart, in whole and masked vectors:
+// a page's short runs (16 keys a dim) cost a library memcpy call each otherwise.
+static inline void copy_runs(const uint16_t* src, int64_t ss, int64_t rows, int64_t n, uint16_t* dst, int64_t ds) {
+  const __mmask32 first = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+  const __mmask32 second = n >= 64 ? ~__mmask32(0) : n <= 32 ? __mmask32(0) : (__mmask32(1) << (n - 32)) - 1;
+  for (int64_t c = 0; c < rows; ++c) {
+    _mm512_mask_storeu_epi16(dst + c * ds, first, _mm512_maskz_loadu_epi16(first, src + c * ss));
+    if (second) _mm512_mask_storeu_epi16(dst + c * ds + 32, second, _mm512_maskz_loadu_epi16(second, src + c * ss + 32));
+  }
+}
+
 // s[r][0 .. 32 KB) = scale * q[r] . K[key] for NR rows from K^T (dim c's keys at kt + c * stride); q rows
 // of pairs of dims, `qs` words apart. Whole vectors only: with masked loads in the loop, GCC 12 kept the
 // accumulators in memory (a store each per step).
@@ -189,7 +200,7 @@ struct Pairs16 {
         stride = p.k_dim;
         break;
       }
-      for (int64_t c = 0; c < d; ++c) __builtin_memcpy(buf + c * KEY_TILE + i, at + c * p.k_dim, size_t(2 * run));
+      copy_runs(at, p.k_dim, d, run, buf + i, KEY_TILE);
       i += run;
     }
     if (kt == buf)
