@@ -10,9 +10,9 @@ call is what vLLM's impl runs per layer (``PagedCall.run`` into preallocated out
 work, paid once for all layers, is timed apart: the builder's plan (``treeattn.vllm.batch.step_plan``)
 and the first layer's ``prepare_paged_tree_attention`` (checks, backend choice, the kernel's tables).
 treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here); the
-table names the kernel path each dtype ran on. On a CPU with AMX, run it also with
-``TREEATTN_NATIVE_BF16_PAIRS=on``: bf16 decodes then run on the bf16 pairs instead of AMX's tiles (the
-pairs are off there by default, unmeasured against them).
+table names the kernel path each dtype ran on. Where the CPU has AVX512-BF16, bf16 items of few rows run
+on the bf16 pairs where a probe times them faster than the GEMMs (``NativeBackend.pairs``);
+``TREEATTN_NATIVE_BF16_PAIRS=on`` / ``off`` forces either, to compare them (on AMX: the pairs against its tiles).
 
 Each step is timed twice: warm (one layer's cache called again and again, so it stays in the CPU's
 caches) and as in a model (the calls go round the caches of ``LAYERS`` layers, SmolLM2's 30: each layer's
@@ -100,8 +100,10 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
             scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table_t, softcap=0,
             scheduler_metadata=scheduler, s_aux=None)
 
-    path = NativeBackend().path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
-    cells = f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} (`{path}`) | {step_ms:.2f} |"
+    backend = NativeBackend()
+    path = backend.path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
+    label = f"`{path}`" + (", bf16 pairs" if dtype == torch.bfloat16 and backend.pairs(path) else "")
+    cells = f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} ({label}) | {step_ms:.2f} |"
     for count in (1, LAYERS):  # warm, then as in a model
         ours, theirs = paired_ms(in_turn(lambda kv: call.run(q, kv, out=out, lse=lse), pages[:count]),
                                  in_turn(cpu_attn, halves[:count]))

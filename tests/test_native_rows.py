@@ -29,8 +29,8 @@ from treeattn.layout import PagedKV
 pytestmark = pytest.mark.skipif(EXTENSION.failure() is not None, reason=f"native kernel not built: {EXTENSION.failure()}")
 
 FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-# This CPU runs bf16 items of few rows in bf16 pairs (AVX512-BF16 without AMX).
-PAIRS = EXTENSION.failure() is None and EXTENSION.module().bf16_pairs()
+# This CPU runs bf16 items of few rows in bf16 pairs (it has AVX512-BF16, and they pay here or are forced on).
+PAIRS = EXTENSION.failure() is None and NativeBackend().pairs("brgemm-avx512")
 
 # With 4 query heads per KV head: 4 or 8 rows per item. A prefix of 150 keys is two whole tiles and a part.
 REQUESTS = [Request(chain(1), prefix=150), Request(chain(2), prefix=70), Request(forest(chain(1), chain(1)), prefix=9),
@@ -140,25 +140,48 @@ def test_mla_absorbed_form(isa, paged):
 
 
 @pytest.mark.skipif(not FLAGS, reason="no /proc/cpuinfo to compare with")
-def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_without_amx():
-    """The tests below reach the bf16 pairs on such a CPU: the extension says it takes them (unless
-    TREEATTN_NATIVE_BF16_PAIRS forces them on, wherever the CPU has AVX512-BF16, or off)."""
+def test_bf16_pairs_run_where_the_cpu_has_avx512_bf16_and_they_pay():
+    """The extension can run the bf16 pairs where cpuid has AVX512-BF16; brgemm-avx512 then takes them as
+    TREEATTN_NATIVE_BF16_PAIRS forces, else where its probe of decodes timed them at least as fast as its
+    GEMMs (the tests here count the items that ran there); no other path takes them."""
     bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= FLAGS
+    assert EXTENSION.module().bf16_pairs() == bf16
+    backend = NativeBackend()
     forced = os.environ.get(PAIRS_ENV_VAR, "")
-    want = bf16 and (forced == "on" or (forced == "" and "amx_bf16" not in FLAGS))
-    assert EXTENSION.module().bf16_pairs() == want
+    if bf16 and not forced:
+        pairs, gemms = backend.pair_speed("brgemm-avx512")
+        assert pairs > 0 and gemms > 0
+        want = pairs >= gemms
+    else:
+        want = bf16 and forced == "on"
+    assert backend.pairs("brgemm-avx512") == want
+    assert not any(backend.pairs(isa) for isa in backend.isas() if isa != "brgemm-avx512")
+
+
+@pytest.mark.skipif("avx512_bf16" not in FLAGS, reason="this CPU has no AVX512-BF16: no bf16 pairs")
+@pytest.mark.parametrize("pay", [True, False])
+def test_bf16_pairs_run_where_their_probe_says_they_pay(monkeypatch, pay):
+    """Unforced, the pairs' probe decides: a 4-row decode item per KV head runs there when the pairs timed
+    faster than the GEMMs, through the GEMMs otherwise; right either way."""
+    monkeypatch.delenv(PAIRS_ENV_VAR, raising=False)
+    monkeypatch.setitem(NativeBackend._pair_speeds, (EXTENSION, "brgemm-avx512"), (2.0, 1.0) if pay else (1.0, 2.0))
+    batch = make_batch([Request((), prefix=70, qo=1)], h_q=8, h_kv=2, d=64, dtype=torch.bfloat16, seed=5)
+    assert NativeBackend().check("brgemm-avx512", torch.bfloat16) is None
+    before = EXTENSION.module().bf16_pairs_items()
+    assert_close_to_reference(*native(batch, "brgemm-avx512"), *reference(batch), torch.bfloat16)
+    assert EXTENSION.module().bf16_pairs_items() - before == (2 if pay else 0)
 
 
 @pytest.mark.skipif("avx512_bf16" not in FLAGS, reason="this CPU has no AVX512-BF16: no bf16 pairs to force")
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_bf16_pairs_forced_on_or_off(mode):
-    """TREEATTN_NATIVE_BF16_PAIRS forces the pairs off (their items then run on brgemm) or on (on an AMX
-    CPU too, where they are otherwise off): this file's bf16 cases in a fresh process, against the float64
-    reference, each counting the items that ran on the pairs (all of the few-row ones, or none)."""
+    """TREEATTN_NATIVE_BF16_PAIRS forces the pairs off (their items then run on brgemm) or on (whatever their
+    probe measured): this file's bf16 cases in a fresh process, against the float64 reference, each counting
+    the items that ran on the pairs (all of the few-row ones, or none)."""
     if os.environ.get(PAIRS_ENV_VAR):
         pytest.skip(f"{PAIRS_ENV_VAR} is set for this whole run")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
-                             "(bfloat16 or run_where) and not forced", "tests/test_native_rows.py"],
+                             "(bfloat16 or run_where_the_cpu) and not forced", "tests/test_native_rows.py"],
                             cwd=Path(__file__).resolve().parents[1], env={**os.environ, PAIRS_ENV_VAR: mode},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -61,9 +61,8 @@ _MAX_WINDOW = 1 << 62  # larger windows (past any context) are passed as this, w
 # (AVX512-FP16 without AMX-FP16: oneDNN widens to fp32). _MIN_GAIN keeps the FMA kernel where the two tie
 # within the probe's noise. A forced path (TREEATTN_NATIVE_ISA, isa=...) runs whether or not it pays.
 _ORDER = ("brgemm-avx512", "brgemm-avx2", "avx512", "avx2", "generic")
-# Forces the brgemm path's loop on bf16 pairs for bf16 items of few rows on or off (csrc/kernel_rows_bf16.hpp;
-# read once per process): by default it runs where the CPU has AVX512-BF16 and no AMX. Against AMX's tiles
-# it is unmeasured; `on` lets a Sapphire Rapids measure it (bench/vllm_kernels.py's decodes).
+# Forces the brgemm path's loop on bf16 pairs for bf16 items of few rows on or off (csrc/kernel_rows_bf16.hpp);
+# unset, `pairs` times the loop against the path's GEMMs on this CPU (AVX512-BF16, or AMX's tiles).
 PAIRS_ENV_VAR = "TREEATTN_NATIVE_BF16_PAIRS"
 _MIN_GAIN = 1.05
 # A brgemm path's self-check tolerance against the FMA kernel (both accumulate in fp32), absolute and
@@ -74,6 +73,21 @@ _CHECK_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 def _brgemm(isa: str) -> bool:
     return isa.startswith("brgemm-")
+
+
+def _dims_major_paged(batch, page_size: int):
+    """(plan, PagedKV) of a test batch's pages with K stored dims-major within each page, as vLLM's CPU
+    cache keeps it (the native kernel's own packing)."""
+    from ...layout import PagedKV
+    from ...plan import TreeAttentionPlan
+
+    e = batch.extra
+    pages = e["kv_pages"]  # [pages, 2, h_kv, page_size, d]
+    kv = PagedKV.wrap((pages[:, 0].transpose(2, 3).contiguous().transpose(2, 3), pages[:, 1]), "HND")
+    plan = TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"], e["last_page_len"],
+                                   batch.tree_indptr, batch.tree_order, page_size=page_size,
+                                   num_pages=pages.shape[0])
+    return plan, kv
 
 
 class _State(NamedTuple):
@@ -87,6 +101,7 @@ class _State(NamedTuple):
     row_pos: torch.Tensor  # int64 [total_q] query rows' positions (window only; else empty)
     depths: torch.Tensor  # int64 [nodes] tree nodes' depths (window only; else empty)
     isa: str  # the kernel path that runs it
+    pairs: bool  # bf16 items of few rows on AVX512-BF16's pairs (NativeBackend.pairs)
 
 
 class NativeBackend(Backend):
@@ -95,7 +110,9 @@ class NativeBackend(Backend):
     _checks: dict[tuple[Extension, str, torch.dtype], str | None] = {}
     # (extension, brgemm path, dtype) -> (its, the FMA kernel's) GFLOP/s on a probe (see speed): once per process.
     _speeds: dict[tuple[Extension, str, torch.dtype], tuple[float, float]] = {}
-    _check_lock = threading.Lock()
+    # (extension, brgemm path) -> (its bf16 pairs', its GEMMs') GFLOP/s on a probe of decodes (see pair_speed).
+    _pair_speeds: dict[tuple[Extension, str], tuple[float, float]] = {}
+    _check_lock = threading.RLock()  # reentrant: a self-check's plan asks for pair_speed
 
     def __init__(self, isa: str | None = None, extension: Extension = EXTENSION):
         self.isa = isa if isa is not None else os.environ.get("TREEATTN_NATIVE_ISA", "")
@@ -172,19 +189,59 @@ class NativeBackend(Backend):
         flops = 4.0 * 16 * 128 * visible
         plan = TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr, batch.tree_order)
         spec = AttentionSpec(torch.device("cpu"), dtype, 16, 4, 128, 128)
-        out = torch.empty_like(batch.q)
-        lse = torch.empty(batch.q.shape[:2])
-        paths = (isa, self.fma_path())
-        states = [self._state(plan, spec, name) for name in paths]
-        times: list[list[float] | None] = [[], []]
-        for round_ in range(4):  # the first round warms up (and builds oneDNN's kernels)
+        states = [self._state(plan, spec, name, pairs=False) for name in (isa, self.fma_path())]  # no few-row items
+        return self._race(batch.q, batch.k, batch.v, 0, states, flops)
+
+    def pairs(self, isa: str) -> bool:
+        """Whether kernel path ``isa`` runs bf16 items of few query rows (decodes, small trees: at most 24 rows
+        with K dims-major as vLLM stores it, 4 with K as rows) on AVX512-BF16's bf16 pairs
+        (``csrc/kernel_rows_bf16.hpp``) rather than through its GEMMs: only brgemm-avx512 on a CPU with the
+        pairs, and there as ``TREEATTN_NATIVE_BF16_PAIRS`` forces, else where they run a probe of decodes at
+        least as fast (``pair_speed``). On a Zen 5 (AVX512-BF16, no AMX) they ran such items 1.1-1.8x as fast
+        (``csrc/kernel_brgemm.hpp``); against AMX's tiles, the probe decides on each machine."""
+        if isa != "brgemm-avx512" or not self.extension.module().bf16_pairs():
+            return False
+        forced = os.environ.get(PAIRS_ENV_VAR, "")
+        if forced:
+            return forced == "on"
+        pairs, gemms = self.pair_speed(isa)
+        return pairs >= gemms
+
+    def pair_speed(self, isa: str) -> tuple[float, float]:
+        """(the bf16 pairs', brgemm path ``isa``'s own) GFLOP/s on bf16 decodes: 16 requests of one token
+        after 500-token prefixes (h 16/4: 4 rows per item, d 128), K dims-major in 16-token pages; on this
+        process's threads, the best of 3 interleaved calls each; measured once per process."""
+        key = (self.extension, isa)
+        with self._check_lock:
+            if key not in self._pair_speeds:
+                self._pair_speeds[key] = self._probe_pairs(isa)
+            return self._pair_speeds[key]
+
+    def _probe_pairs(self, isa: str) -> tuple[float, float]:
+        from ...testing import Request, make_batch
+
+        batch = make_batch([Request((), prefix=500, qo=1)] * 16, h_q=16, h_kv=4, d=128, dtype=torch.bfloat16,
+                           seed=7, page_size=16)
+        plan, kv = _dims_major_paged(batch, 16)
+        spec = AttentionSpec(torch.device("cpu"), torch.bfloat16, 16, 4, 128, 128)
+        states = [self._state(plan, spec, isa, pairs=on) for on in (True, False)]
+        return self._race(batch.q, kv.k, kv.v, 16, states, 4.0 * 16 * 128 * 16 * 501)
+
+    def _race(self, q, k, v, page_size: int, states: list[_State], flops: float) -> tuple[float, ...]:
+        """Each state's GFLOP/s on one call, the best of 3 rounds after a warm-up round (which also builds
+        oneDNN's kernels), the states taking turns; 0.0 for one that raises (no kernel for the dtype here:
+        the self-check says why)."""
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2])
+        times: list[list[float] | None] = [[] for _ in states]
+        for round_ in range(4):
             for i, state in enumerate(states):
                 if times[i] is None:
                     continue
                 start = time.perf_counter()
                 try:
-                    self._run(batch.q, batch.k, batch.v, state, 0, 0.125, out, lse, None)
-                except Exception:  # no kernel for this dtype here (the self-check says why)
+                    self._run(q, k, v, state, page_size, 0.125, out, lse, None)
+                except Exception:
                     times[i] = None
                     continue
                 if round_:
@@ -204,7 +261,6 @@ class NativeBackend(Backend):
             return self._checks[key]
 
     def _self_check(self, isa: str, dtype: torch.dtype) -> str | None:
-        from ...layout import PagedKV
         from ...plan import TreeAttentionPlan
         from ...testing import Request, binary, make_batch
 
@@ -218,13 +274,8 @@ class NativeBackend(Backend):
             if not cases:
                 cases.append((batch, TreeAttentionPlan.ragged(batch.q_indptr, batch.kv_indptr, batch.tree_indptr,
                                                               batch.tree_order), batch.k, batch.v, 0))
-            e = batch.extra
-            pages = e["kv_pages"]  # [pages, 2, h_kv, page_size, d]
-            kv = PagedKV.wrap((pages[:, 0].transpose(2, 3).contiguous().transpose(2, 3), pages[:, 1]), "HND")
-            cases.append((batch, TreeAttentionPlan.paged(batch.q_indptr, e["page_indptr"], e["page_indices"],
-                                                         e["last_page_len"], batch.tree_indptr, batch.tree_order,
-                                                         page_size=page_size, num_pages=pages.shape[0]),
-                          kv.k, kv.v, page_size))
+            plan, kv = _dims_major_paged(batch, page_size)
+            cases.append((batch, plan, kv.k, kv.v, page_size))
         spec = AttentionSpec(torch.device("cpu"), dtype, 8, 2, 64, 64)
         baseline = self.fma_path()
         for batch, plan, k, v, page_size in cases:
@@ -267,7 +318,7 @@ class NativeBackend(Backend):
     def plan(self, plan, spec: AttentionSpec) -> _State:
         return self._state(plan, spec, self.path(spec.dtype))
 
-    def _state(self, plan, spec: AttentionSpec, isa: str) -> _State:
+    def _state(self, plan, spec: AttentionSpec, isa: str, pairs: bool | None = None) -> _State:
         batch = plan.batch_size
         zeros = np.zeros(batch, dtype=np.int64)
         meta = np.stack([plan.q_starts, plan.qo_lens, zeros if plan.kv_starts is None else plan.kv_starts,
@@ -281,12 +332,12 @@ class NativeBackend(Backend):
             depths = torch.from_numpy(np.ascontiguousarray(plan.node_depths, dtype=np.int64))
         return _State(torch.from_numpy(np.ascontiguousarray(meta)), plan.tree_order.cpu().contiguous(),
                       pages.cpu().contiguous(), min(window or 0, _MAX_WINDOW), spec.logit_softcap or 0.0, row_pos,
-                      depths, isa)
+                      depths, isa, spec.dtype == torch.bfloat16 and (self.pairs(isa) if pairs is None else pairs))
 
     def _run(self, q, k, v, state: _State, page_size: int, sm_scale: float, out, lse, sinks) -> None:
         self.extension.module().attention(q, k, v, state.meta, state.order, state.pages, page_size, sm_scale, out,
                                           lse, state.isa, state.window, state.softcap,
-                                          _NONE if sinks is None else sinks, state.row_pos, state.depths)
+                                          _NONE if sinks is None else sinks, state.row_pos, state.depths, state.pairs)
 
     def tree_attention(self, q, k, v, plan, state: _State, *, sm_scale: float, out: torch.Tensor,
                        lse: torch.Tensor, sinks: torch.Tensor | None = None) -> None:

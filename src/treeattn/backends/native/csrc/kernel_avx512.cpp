@@ -4,7 +4,6 @@
 // only when cpuid reports all four features.
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include "problem.h"
@@ -91,22 +90,9 @@ struct V {
   static void store_f16(uint16_t* dst, T x);  // W values rounded to fp16
 };
 
-// AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16), and AMX-BF16 that the OS enabled, as oneDNN needs it: cpuid
-// leaf 7, EDX bit 22 (read directly: older compilers' __builtin_cpu_supports lacks it), and XCR0's tile
-// state bits 17-18 (a kernel without AMX support leaves them clear, and /proc/cpuinfo without amx_bf16).
-// Asked once: cpuid traps to the hypervisor in a VM.
+// AVX512-BF16 (vdpbf16ps, vcvtne2ps2bf16). Asked once: cpuid traps to the hypervisor in a VM.
 static bool has_avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-static bool has_amx_bf16() {
-  static const bool has = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22))) return false;
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));  // XCR0 (AVX-512 CPUs have OSXSAVE)
-    return (lo & (3u << 17)) == (3u << 17);
-  }();
   return has;
 }
 
@@ -177,7 +163,7 @@ inline void V::store_f16(uint16_t* dst, T x) {
 void run_item_avx512(const Problem& p, const Item& it, float* scratch) { avx512::run_item(p, it, scratch); }
 
 float fma_loop_avx512(int64_t iters) { return avx512::fma_loop(iters); }
-bool bf16_pairs_avx512(int32_t mode) { return avx512::Pairs16::cpu(mode); }
+bool bf16_pairs_avx512() { return avx512::Pairs16::cpu(); }
 int64_t bf16_pairs_items_avx512() { return __atomic_load_n(&avx512::Pairs16::items, __ATOMIC_RELAXED); }
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch) {
   avx512::brgemm_item::run(p, it, scratch);

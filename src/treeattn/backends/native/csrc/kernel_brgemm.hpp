@@ -139,11 +139,12 @@ static void clear_v(void* vt, int32_t dtype, bool pairs, int64_t dv, int64_t i) 
 // few-rows loop (kernel_rows.hpp): oneDNN's fp32 GEMM on so few (padded) rows ran 0.68-0.92x as fast on
 // Sapphire Rapids at 3-8 rows (0.99-1.11x at 12-16); with a dims-major K on AVX-512, all the few-rows
 // loop takes (V::FEW_ROWS_DIMS: up to 32 rows, 1.1-1.8x on a Zen 5; on AVX2 it ran 0.77x at 12 rows). 16-bit items
-// stay (bf16 on AMX ran 1.25-1.5x at 3-4), except bf16 where the CPU has AVX512-BF16 and no AMX (below).
+// stay (bf16 on AMX ran 1.25-1.5x at 3-4), except bf16 where the pairs run (below).
 constexpr int64_t FEW_F32_ROWS = 8;
 
-// bf16 items of at most this many rows run the few-rows loop on bf16 pairs where the CPU has them
-// (kernel_rows_bf16.hpp): with K dims-major (vLLM's cells) FEW_BF16_ROWS_DIMS, with K as rows (whose scores
+// bf16 items of at most this many rows run the few-rows loop on bf16 pairs where the CPU has them and the
+// caller asks for it (kernel_rows_bf16.hpp; NativeBackend.pairs times it against this kernel on the running
+// CPU): with K dims-major (vLLM's cells) FEW_BF16_ROWS_DIMS, with K as rows (whose scores
 // are summed across lanes key by key, row by row) FEW_BF16_ROWS. Measured on a Zen 5 (AVX512-BF16) against
 // this kernel. vLLM's cells (K dims-major in 128-key pages, 576 keys per request; 1 thread for h 9/3, d 64,
 // 2 for h 32/8, d 128): 16 decodes of h 9/3 (3 rows) 1.7x; 6 / 9 / 12 / 15 / 18 / 24 / 30 rows 1.45x / 1.3x /

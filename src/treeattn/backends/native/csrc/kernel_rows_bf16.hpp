@@ -157,13 +157,12 @@ PAIRS16 static void round_probs(const float* prob, int64_t pstride, int64_t coun
 struct Pairs16 {
   static constexpr bool on = true;
 
-  // bf16 on a CPU with AVX512-BF16 and without AMX (whose tiles run these items through brgemm 1.25-1.5x
-  // as fast as the fp32 loop at 3-4 rows; this loop against them is unmeasured), head dims of whole
-  // vectors, V stored apart from K. `mode` (Problem::pairs): 1 forces the loop on where the CPU has
-  // AVX512-BF16, AMX or not (to measure it there), 0 off (TREEATTN_NATIVE_BF16_PAIRS, native.cpp).
-  static bool cpu(int32_t mode) { return has_avx512_bf16() && (mode == 1 || (mode == -1 && !has_amx_bf16())); }
+  // bf16 where the caller asks for it (Problem::pairs: NativeBackend.pairs, which times this loop against
+  // brgemm's GEMMs on the running CPU) and the CPU has AVX512-BF16, head dims of whole vectors, V stored
+  // apart from K.
+  static bool cpu() { return has_avx512_bf16(); }
   static bool usable(const Problem& p) {
-    return p.dtype == BF16 && p.d % 32 == 0 && p.dv % 32 == 0 && !p.v_in_k && cpu(p.pairs);
+    return p.pairs && p.dtype == BF16 && p.d % 32 == 0 && p.dv % 32 == 0 && !p.v_in_k && cpu();
   }
   // Items run here in this process (bf16_pairs_items: how a test knows they were).
   static inline int64_t items = 0;

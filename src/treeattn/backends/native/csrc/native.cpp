@@ -25,7 +25,7 @@ void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
 float fma_loop_avx2(int64_t iters);
 float fma_loop_avx512(int64_t iters);
-bool bf16_pairs_avx512(int32_t mode);
+bool bf16_pairs_avx512();
 int64_t bf16_pairs_items_avx512();
 #endif
 
@@ -93,22 +93,12 @@ const std::vector<std::string>& brgemm_16bit() {
   return out;
 }
 
-// Whether brgemm-avx512's bf16 items of few query rows (head dims multiples of 32) run on AVX512-BF16's
-// pairs here (kernel_rows_bf16.hpp): AVX512-BF16 without AMX. And how many items have, in this process.
-// TREEATTN_NATIVE_BF16_PAIRS: "on" 1, "off" 0, unset -1 (Problem::pairs); read once per process (the Python
-// side rejects any other value before a call).
-int32_t pairs_mode() {
-  static const int32_t mode = [] {
-    const char* force = std::getenv("TREEATTN_NATIVE_BF16_PAIRS");
-    const std::string value = force ? force : "";
-    return value == "on" ? 1 : value == "off" ? 0 : -1;
-  }();
-  return mode;
-}
-
+// Whether brgemm-avx512 can run bf16 items of few query rows (head dims multiples of 32) on AVX512-BF16's
+// pairs here (kernel_rows_bf16.hpp; whether a call does is the caller's choice, attention's `pairs`). And how
+// many items have, in this process.
 bool bf16_pairs() {
 #if defined(__x86_64__)
-  return has_avx512() && bf16_pairs_avx512(pairs_mode());
+  return has_avx512() && bf16_pairs_avx512();
 #else
   return false;
 #endif
@@ -372,7 +362,6 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const bool paged = page_size > 0;
   TORCH_CHECK(k.dim() == (paged ? 4 : 3) && v.dim() == k.dim(), "k/v must be ", paged ? "[pages, page_size, h_kv, d]" : "[tokens, h_kv, d]");
   Problem p{};
-  p.pairs = pairs_mode();
   p.dtype = dtype_code(q);
   p.q = q.data_ptr();
   p.q_row = q.stride(0);
@@ -421,10 +410,12 @@ Problem problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
 // The attention variants: window (0: none) with each query row's position and each tree node's depth
 // (int64, in the plan's rows), soft-cap (0: none), sinks (float32 [h_q] natural-log logits, or empty).
+// `pairs`: bf16 items of few rows on the brgemm path run on AVX512-BF16's pairs where the CPU has them.
 void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& meta,
                const at::Tensor& order, const at::Tensor& pages, int64_t page_size, double sm_scale,
                const at::Tensor& out, const at::Tensor& lse, const std::string& isa, int64_t window,
-               double softcap, const at::Tensor& sinks, const at::Tensor& row_pos, const at::Tensor& depths) {
+               double softcap, const at::Tensor& sinks, const at::Tensor& row_pos, const at::Tensor& depths,
+               bool pairs) {
   Problem p = problem(q, k, v, meta, order, pages, page_size, sm_scale, out, lse);
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: not used)");
   if (window > 0) {
@@ -448,6 +439,7 @@ void attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     for (int64_t i = 0; i < flat.numel(); ++i) sinks2[size_t(i)] = float(flat.data_ptr<float>()[i] / std::log(2.0));
     p.sinks2 = sinks2.data();
   }
+  p.pairs = pairs;
   p.b_pairs = is_brgemm(isa) && p.dtype != F32 && brgemm_b_pairs(p.dtype);
   run(p, meta.size(1), isa);
 }
@@ -543,7 +535,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isas", &treeattn_native::isas, "kernel paths this CPU can run, best first for 16-bit dtypes");
   m.def("brgemm_16bit", &treeattn_native::brgemm_16bit, "16-bit dtypes PyTorch's brgemm accepts on this CPU");
   m.def("bf16_pairs", &treeattn_native::bf16_pairs,
-        "whether brgemm-avx512 runs bf16 items of few rows (head dims multiples of 32) on AVX512-BF16's bf16 pairs here");
+        "whether brgemm-avx512 can run bf16 items of few rows (head dims multiples of 32) on AVX512-BF16's bf16 pairs here");
   m.def("bf16_pairs_items", &treeattn_native::bf16_pairs_items, "bf16 items run on those pairs in this process");
   // The GIL is released while the kernels run: other Python threads (other layers, other requests) go on.
   m.def("attention", &treeattn_native::attention, "ragged or paged tree attention for a whole batch",

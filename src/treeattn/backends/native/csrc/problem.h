@@ -51,7 +51,7 @@ struct Problem {
   int64_t h_kv, group, d, dv;
   bool v_in_k;  // V is K's first dv dims (MLA's absorbed form): the packed K tile serves as V's
   bool b_pairs;  // brgemm paths: oneDNN wants a 16-bit B in VNNI pairs here (brgemm_b_pairs), else plain
-  int32_t pairs;  // bf16 items of few rows on bf16 pairs (kernel_rows_bf16.hpp): 1 forced on, 0 off, -1 by CPU
+  bool pairs;  // bf16 items of few rows on bf16 pairs where the CPU has them (kernel_rows_bf16.hpp): the caller's choice
   float q_scale;  // Q's factor: sm_scale * log2(e) (scores in the base-2 domain), sm_scale / cap with a soft-cap
   float cap2;     // logit soft-cap: scores are cap2 * tanh(q_scale * q.k), cap2 = cap * log2(e); 0: none
   const float* sinks2;  // [h_q] sink logits in base 2, or null
