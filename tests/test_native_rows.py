@@ -1,7 +1,7 @@
 """The native kernel's items of few query rows: a decoding token (or two) of a GQA group, at most 16 rows per
 item (32 on AVX-512 with K dims-major), which the FMA paths run with rows outside the vectors
 (csrc/kernel_rows.hpp), as do the brgemm paths' fp32 items of at most 8 rows (32, AVX-512, K dims-major) and,
-on AVX512-BF16 without AMX, their bf16 items in bf16 pairs (csrc/kernel_rows_bf16.hpp). Every code path this
+on AVX512-BF16 where they pay (or forced), their bf16 items in bf16 pairs (csrc/kernel_rows_bf16.hpp). Every code path this
 CPU has, forced, against the float64 reference (fresh random inputs, NaN-poisoned outputs): every variant;
 paged layouts whose tiles lie in one page (fp32 K/V read in place) or across pages (converted into a tile);
 head dims that are and are not whole vectors; 16-bit dtypes; a prefix split across threads; hidden NaN keys;
@@ -181,7 +181,7 @@ def test_bf16_pairs_forced_on_or_off(mode):
     if os.environ.get(PAIRS_ENV_VAR):
         pytest.skip(f"{PAIRS_ENV_VAR} is set for this whole run")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k",
-                             "(bfloat16 or run_where_the_cpu) and not forced", "tests/test_native_rows.py"],
+                             "(bfloat16 or bf16_items or bf16_decodes or run_where_the_cpu) and not forced", "tests/test_native_rows.py"],
                             cwd=Path(__file__).resolve().parents[1], env={**os.environ, PAIRS_ENV_VAR: mode},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -189,9 +189,12 @@ def test_bf16_pairs_forced_on_or_off(mode):
 
 
 def test_a_bad_bf16_pairs_setting_is_a_clear_error(monkeypatch):
+    backend = NativeBackend()
     monkeypatch.setenv(PAIRS_ENV_VAR, "yes")
     with pytest.raises(ValueError, match=f"{PAIRS_ENV_VAR} must be 'on' or 'off'.*'yes'"):
         NativeBackend()
+    with pytest.raises(ValueError, match=f"{PAIRS_ENV_VAR} must be 'on' or 'off'.*'yes'"):  # set after it was made
+        backend.pairs("brgemm-avx512")
 
 
 def on_pairs(batch, isa: str, kv: PagedKV | None = None, sm_scale: float = 0.125, eligible: bool = True, **variants):
@@ -222,13 +225,13 @@ PAIR_REQUESTS = [Request((), prefix=576, qo=1), Request(chain(2), prefix=150), R
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("layout,page_size", [("ragged", 16), ("TVM", 16), ("K dims-major", 3), ("K dims-major", 16),
-                                              ("K dims-major", 40), ("K dims-major", 128)])
+                                              ("K dims-major", 32), ("K dims-major", 40), ("K dims-major", 128)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_items_of_few_rows_on_every_layout(isa, layout, page_size, head_dim):
-    """bf16 items of 4-16 rows with head dims of whole 32-value vectors (on the brgemm path of a CPU with
-    AVX512-BF16 and no AMX, in bf16 pairs: all with K dims-major, those of 4 rows with K as rows): K as rows,
-    or dims-major in place (a 128-key page holds whole tiles) or copied (pages of 3, 16 and 40 keys: runs
-    within one vector and across two, a tile's partial vector)."""
+    """bf16 items of 4-16 rows with head dims of whole 32-value vectors (on the brgemm path, where it takes
+    the bf16 pairs: all with K dims-major, those of 4 rows with K as rows): K as rows, or dims-major in place
+    (a 128-key page holds whole tiles) or copied (pages of 3, 16, 32 and 40 keys: runs within one vector, of
+    one whole vector and across two, a tile's partial vector)."""
     batch = make_batch(PAIR_REQUESTS, h_q=8, h_kv=2, d=head_dim, dtype=torch.bfloat16, seed=head_dim + page_size,
                        page_size=page_size)
     assert 4 <= rows_per_item(batch) <= 16

@@ -75,6 +75,14 @@ def _brgemm(isa: str) -> bool:
     return isa.startswith("brgemm-")
 
 
+def _forced_pairs() -> str:
+    """TREEATTN_NATIVE_BF16_PAIRS: "on", "off", or "" (unset: measured, NativeBackend.pairs)."""
+    forced = os.environ.get(PAIRS_ENV_VAR, "")
+    if forced not in ("", "on", "off"):
+        raise ValueError(f"{PAIRS_ENV_VAR} must be 'on' or 'off' (unset: measured on this CPU), got {forced!r}")
+    return forced
+
+
 def _dims_major_paged(batch, page_size: int):
     """(plan, PagedKV) of a test batch's pages with K stored dims-major within each page, as vLLM's CPU
     cache keeps it (the native kernel's own packing)."""
@@ -116,10 +124,7 @@ class NativeBackend(Backend):
 
     def __init__(self, isa: str | None = None, extension: Extension = EXTENSION):
         self.isa = isa if isa is not None else os.environ.get("TREEATTN_NATIVE_ISA", "")
-        pairs = os.environ.get(PAIRS_ENV_VAR, "")
-        if pairs not in ("", "on", "off"):
-            raise ValueError(f"{PAIRS_ENV_VAR} must be 'on' or 'off' (unset: on where the CPU has AVX512-BF16 "
-                             f"and no AMX), got {pairs!r}")
+        _forced_pairs()
         self.extension = extension
 
     def unavailable(self) -> str | None:
@@ -197,15 +202,15 @@ class NativeBackend(Backend):
         with K dims-major as vLLM stores it, 4 with K as rows) on AVX512-BF16's bf16 pairs
         (``csrc/kernel_rows_bf16.hpp``) rather than through its GEMMs: only brgemm-avx512 on a CPU with the
         pairs, and there as ``TREEATTN_NATIVE_BF16_PAIRS`` forces, else where they run a probe of decodes at
-        least as fast (``pair_speed``). On a Zen 5 (AVX512-BF16, no AMX) they ran such items 1.1-1.8x as fast
+        least as fast (``pair_speed``). On a Zen 5 (AVX512-BF16, no AMX) they ran such items 1.2-1.8x as fast
         (``csrc/kernel_brgemm.hpp``); against AMX's tiles, the probe decides on each machine."""
+        forced = _forced_pairs()  # checked on every plan: it may be set after the backend was made
         if isa != "brgemm-avx512" or not self.extension.module().bf16_pairs():
             return False
-        forced = os.environ.get(PAIRS_ENV_VAR, "")
         if forced:
             return forced == "on"
         pairs, gemms = self.pair_speed(isa)
-        return pairs >= gemms
+        return pairs > 0 and pairs >= gemms  # (both raising: 0 and 0, and the self-check says why)
 
     def pair_speed(self, isa: str) -> tuple[float, float]:
         """(the bf16 pairs', brgemm path ``isa``'s own) GFLOP/s on bf16 decodes: 16 requests of one token

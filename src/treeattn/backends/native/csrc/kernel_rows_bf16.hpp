@@ -55,6 +55,7 @@ static void stored_rows(const Problem& p, const Item& it, const void* base, int6
 
 // `rows` runs of n <= 64 16-bit values, src / dst rows `ss` / `ds` values apart, in whole and masked vectors:
 // a page's short runs (16 keys a dim) cost a library memcpy call each otherwise.
+static_assert(KEY_TILE <= 64, "copy_runs: a tile's runs fit two vectors");
 static inline void copy_runs(const uint16_t* src, int64_t ss, int64_t rows, int64_t n, uint16_t* dst, int64_t ds) {
   const __mmask32 first = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
   const __mmask32 second = n >= 64 ? ~__mmask32(0) : n <= 32 ? __mmask32(0) : (__mmask32(1) << (n - 32)) - 1;
