@@ -10,7 +10,8 @@ call is what vLLM's impl runs per layer (``PagedCall.run`` into preallocated out
 work, paid once for all layers, is timed apart: the builder's plan (``treeattn.vllm.batch.step_plan``)
 and the first layer's ``prepare_paged_tree_attention`` (checks, backend choice, the kernel's tables).
 treeattn's kernel is the one vLLM's impl gets: capability dispatch (the native C++ kernel here); the
-table names the kernel path each dtype ran on, and "bf16 pairs" where the step's items ran there: where the
+table names the kernel path each dtype ran on, and "bf16 pairs" where any of the step's items ran there (a
+prefill's last block of 2 tokens does): where the
 CPU has AVX512-BF16, bf16 items of few rows run on them where a probe times them at least as fast as the
 GEMMs (``NativeBackend.pairs``);
 ``TREEATTN_NATIVE_BF16_PAIRS=on`` / ``off`` forces either, to compare them (on AMX: the pairs against its tiles).
