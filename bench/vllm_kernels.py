@@ -102,14 +102,15 @@ def row(requests: int, new: int, context: int, dtype: torch.dtype) -> str:
             scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table_t, softcap=0,
             scheduler_metadata=scheduler, s_aux=None)
 
-    module = NativeBackend().extension.module()
+    backend = NativeBackend()
+    module = backend.extension.module()
     on_pairs = module.bf16_pairs_items()
     cells = ""
     for count in (1, LAYERS):  # warm, then as in a model
         ours, theirs = paired_ms(in_turn(lambda kv: call.run(q, kv, out=out, lse=lse), pages[:count]),
                                  in_turn(cpu_attn, halves[:count]))
         cells += f" {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f}x |"
-    path = NativeBackend().path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
+    path = backend.path(dtype)  # fp32's is measured per process where two paths tie (see its docs)
     label = f"`{path}`" + (", bf16 pairs" if module.bf16_pairs_items() > on_pairs else "")  # items that ran there
     return f"| {requests} x {new} | {context} | {str(dtype).removeprefix('torch.')} ({label}) | {step_ms:.2f} |" + cells
 
