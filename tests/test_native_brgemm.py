@@ -213,3 +213,19 @@ def test_many_threads_on_one_brgemm_shape():
         print("ok", len(threads), "calls of", jobs)
     """, {}, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
+
+
+@pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
+def test_peaks_count_the_flops_they_ran():
+    """bench/native.py's peaks: each kind this CPU has runs and reports a real rate (any vector unit does
+    well over 1 GFLOP/s on one thread); a kind it lacks or an unknown one is an error naming it."""
+    module = EXTENSION.module()
+    kinds = {"fma-avx2": 20_000, "brgemm-fp32": 2} | ({"fma-avx512": 20_000} if "avx512" in ISAS else {})
+    for kind, iters in kinds.items():
+        rate = module.peak(kind, iters, 1)
+        assert 1.0 < rate < 1e5, (kind, rate)
+    if "avx512" not in ISAS:
+        with pytest.raises(RuntimeError, match="fma-avx512 is not available"):
+            module.peak("fma-avx512", 10, 1)
+    with pytest.raises(RuntimeError, match="unknown peak kind fma-avx3"):
+        module.peak("fma-avx3", 10, 1)

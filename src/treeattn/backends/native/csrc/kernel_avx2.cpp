@@ -139,7 +139,7 @@ inline void V::store_f16(uint16_t* dst, T x) {
 
 void run_item_avx2(const Problem& p, const Item& it, float* scratch) { avx2::run_item(p, it, scratch); }
 
-float fma_loop_avx2(int64_t iters) { return avx2::fma_loop(iters); }
+double fma_loop_avx2(int64_t iters) { return avx2::fma_loop(iters); }
 void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch) {
   avx2::brgemm_item::run(p, it, scratch);
 }

@@ -162,7 +162,7 @@ inline void V::store_f16(uint16_t* dst, T x) {
 
 void run_item_avx512(const Problem& p, const Item& it, float* scratch) { avx512::run_item(p, it, scratch); }
 
-float fma_loop_avx512(int64_t iters) { return avx512::fma_loop(iters); }
+double fma_loop_avx512(int64_t iters) { return avx512::fma_loop(iters); }
 bool bf16_pairs_avx512() { return avx512::Pairs16::cpu(); }
 int64_t bf16_pairs_items_avx512() { return __atomic_load_n(&avx512::Pairs16::items, __ATOMIC_RELAXED); }
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch) {

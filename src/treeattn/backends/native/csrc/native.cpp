@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -23,8 +24,8 @@ void run_item_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_avx512(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx2(const Problem& p, const Item& it, float* scratch);
 void run_item_brgemm_avx512(const Problem& p, const Item& it, float* scratch);
-float fma_loop_avx2(int64_t iters);
-float fma_loop_avx512(int64_t iters);
+double fma_loop_avx2(int64_t iters);  // each returns the FLOPs it ran
+double fma_loop_avx512(int64_t iters);
 bool bf16_pairs_avx512();
 int64_t bf16_pairs_items_avx512();
 #endif
@@ -498,12 +499,13 @@ double peak(const std::string& kind, int64_t iters, int64_t threads) {
   TORCH_CHECK(fma || kind == "brgemm-fp32" || kind == "brgemm-bf16" || kind == "brgemm-fp16", "unknown peak kind ", kind);
   TORCH_CHECK(!fma || (kind == "fma-avx512" ? has_avx512() : has_avx2()), kind, " is not available on this CPU");
   const int32_t dtype = kind == "brgemm-bf16" ? BF16 : kind == "brgemm-fp16" ? F16 : F32;
-  const double flops_per_iter = fma ? 2.0 * 16 * (kind == "fma-avx512" ? 16 : 8) : 2.0 * M * N * K;
-  std::atomic<double> sink{0.0};  // every result feeds it: no loop is optimised away
-  auto body = [&]() {
+  // Each thread's FLOPs; the brgemm results feed `sink`, so no call is optimised away.
+  std::vector<double> ran(threads, 0.0);
+  std::atomic<float> sink{0.0f};
+  auto body = [&](int64_t t) {
 #if defined(__x86_64__)
     if (fma) {
-      sink = sink + (kind == "fma-avx512" ? fma_loop_avx512(iters) : fma_loop_avx2(iters));
+      ran[t] = kind == "fma-avx512" ? fma_loop_avx512(iters) : fma_loop_avx2(iters);
       return;
     }
 #endif
@@ -515,17 +517,18 @@ double peak(const std::string& kind, int64_t iters, int64_t threads) {
     // C overwritten, not accumulated: with add_C the 256 KB of C moving through L2 held AMX to 0.6x its rate
     for (int64_t i = 0; i < iters; ++i) brgemm(dtype, M, N, K, K, N, N, false, a.data(), b.data(), c.data());
     sink = sink + c[0];
+    ran[t] = 2.0 * M * N * K * double(iters);
   };
   auto all = [&]() {
     at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) body();
+      for (int64_t t = lo; t < hi; ++t) body(t);
     });
   };
   all();  // warm-up: each thread's kernel JIT compile, and the clock's ramp
   const auto start = std::chrono::steady_clock::now();
   all();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return flops_per_iter * double(iters) * double(threads) / seconds / 1e9;
+  return std::accumulate(ran.begin(), ran.end(), 0.0) / seconds / 1e9;
 }
 
 }  // namespace

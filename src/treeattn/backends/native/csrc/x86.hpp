@@ -101,14 +101,20 @@ static inline void interleave16(const char* a, const char* b, uint16_t* dst, int
   }
 }
 
-// The FMA peak's inner loop (native.cpp's peak): 16 independent accumulators, enough to keep every FMA
-// pipe busy through its latency; returns their sum so the loop is not optimised away.
-static float fma_loop(int64_t iters) {
-  typename V::T acc[16];
+// The FMA peak's inner loop (native.cpp's peak): independent accumulators, enough to keep every FMA
+// pipe busy through its latency (2 pipes x 4 cycles on the CPUs here), and few enough to stay in registers
+// with the two operands: 16 on AVX2's 16 ymm registers spilled 3 of them to the stack, whose store-to-load
+// chain held a Zen 3 at half its FMA rate. Returns the FLOPs it ran; their sum goes to a volatile, so the
+// loop is not optimised away.
+static double fma_loop(int64_t iters) {
+  constexpr int ACC = V::W == 8 ? 12 : 16;  // registers: AVX2 16, AVX-512 32
+  typename V::T acc[ACC];
   const typename V::T a = V::set1(0.999999f), b = V::set1(1e-7f);
-  for (int i = 0; i < 16; ++i) acc[i] = V::set1(float(i));
+  for (int i = 0; i < ACC; ++i) acc[i] = V::set1(float(i));
   for (int64_t n = 0; n < iters; ++n)
-    for (int i = 0; i < 16; ++i) acc[i] = V::fma(acc[i], a, b);
-  for (int i = 1; i < 16; ++i) acc[0] = V::add(acc[0], acc[i]);
-  return V::reduce_add(acc[0]);
+    for (int i = 0; i < ACC; ++i) acc[i] = V::fma(acc[i], a, b);
+  for (int i = 1; i < ACC; ++i) acc[0] = V::add(acc[0], acc[i]);
+  volatile float sink = V::reduce_add(acc[0]);
+  (void)sink;
+  return 2.0 * ACC * V::W * double(iters);
 }
