@@ -217,13 +217,18 @@ def test_many_threads_on_one_brgemm_shape():
 
 @pytest.mark.skipif(not BRGEMM, reason="this CPU has no brgemm path (needs AVX2)")
 def test_peaks_count_the_flops_they_ran():
-    """bench/native.py's peaks: each kind this CPU has runs and reports a real rate (any vector unit does
-    well over 1 GFLOP/s on one thread); a kind it lacks or an unknown one is an error naming it."""
+    """bench/native.py's peaks. The FMA loop of the widest vectors here reaches at least 0.9x oneDNN's fp32
+    micro-kernel, which runs on the same FMA units (measured 1.02x on a Zen 4, 1.06x Zen 5, 1.24x Sapphire
+    Rapids, 1.1-1.4x on one Zen 3 thread); the loop that spilled its accumulators to the stack read 0.64-0.78x
+    there. Best of 3, the two interleaved, so a burst of load on a shared machine hits both. A kind this CPU lacks or an unknown one
+    is an error naming it."""
     module = EXTENSION.module()
-    kinds = {"fma-avx2": 20_000, "brgemm-fp32": 2} | ({"fma-avx512": 20_000} if "avx512" in ISAS else {})
-    for kind, iters in kinds.items():
-        rate = module.peak(kind, iters, 1)
-        assert 1.0 < rate < 1e5, (kind, rate)
+    fma = "fma-avx512" if "avx512" in ISAS else "fma-avx2"
+    rates: dict[str, float] = {}
+    for _ in range(3):
+        for kind, iters in ((fma, 2_000_000), ("brgemm-fp32", 50)):
+            rates[kind] = max(rates.get(kind, 0.0), module.peak(kind, iters, 1))
+    assert rates[fma] >= 0.9 * rates["brgemm-fp32"] > 0, rates
     if "avx512" not in ISAS:
         with pytest.raises(RuntimeError, match="fma-avx512 is not available"):
             module.peak("fma-avx512", 10, 1)
