@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -59,27 +60,36 @@ def test_the_kernel_builds_where_a_compiler_is():
     assert build.EXTENSION.failure() is None
 
 
-def test_native_prefetches_compiled_in():
-    """GCC takes a function whose only effects are prefetches for one without effects and deletes the calls
-    it does not inline: every call of prefetch_keys / prefetch_tile (the few-rows loops' next tile, the next
-    work item's first keys) and the brgemm kernel's prefetch lambda was compiled out. The built module's
-    code for each of them must hold prefetch instructions, on every kernel path."""
+def built_code() -> dict[str, list[tuple[int, str]]]:
+    """The built module's machine code: each function's (demangled signature, a template's starting with its
+    return type) instructions as (address, text), read with objdump; skips where it cannot be read."""
     if platform.system() != "Linux" or platform.machine() != "x86_64" or not shutil.which("objdump"):
         pytest.skip("needs x86-64 Linux and objdump")
     if build.EXTENSION.failure():
         pytest.skip(build.EXTENSION.failure())
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", build.EXTENSION.module().__file__],
                              capture_output=True, text=True, check=True).stdout
-    prefetching = set()  # the functions (demangled signatures) holding a prefetch
+    code: dict[str, list[tuple[int, str]]] = {}
     function = ""
     for line in listing.splitlines():
         if line.endswith(">:"):  # "<address> <signature>:" starts a function
-            function = line.split("<", 1)[1]
-        elif "\tprefetch" in line:
-            prefetching.add(function)
+            function = line.split("<", 1)[1][:-2].removeprefix("void ")
+            code[function] = []
+        elif function and (m := re.match(r"\s*([0-9a-f]+):\t(.*)", line)):
+            code[function].append((int(m.group(1), 16), m.group(2)))
+    return code
 
-    def prefetches(name: str) -> bool:  # a template's signature starts with its return type
-        return any(signature.removeprefix("void ").startswith(name + "(") for signature in prefetching)
+
+def test_native_prefetches_compiled_in():
+    """GCC takes a function whose only effects are prefetches for one without effects and deletes the calls
+    it does not inline: every call of prefetch_keys / prefetch_tile (the few-rows loops' next tile, the next
+    work item's first keys) and the brgemm kernel's prefetch lambda was compiled out. The built module's
+    code for each of them must hold prefetch instructions, on every kernel path."""
+    code = built_code()
+    prefetching = {f for f, instructions in code.items() if any(text.startswith("prefetch") for _, text in instructions)}
+
+    def prefetches(name: str) -> bool:
+        return any(signature.startswith(name + "(") for signature in prefetching)
 
     for isa in ("generic", "avx2", "avx512"):
         assert prefetches(f"treeattn_native::{isa}::run_rows<treeattn_native::{isa}::NoPairs>"), \
@@ -90,3 +100,23 @@ def test_native_prefetches_compiled_in():
         assert prefetches(f"treeattn_native::{isa}::brgemm_item::run") or prefetches(
             f"treeattn_native::run_item_brgemm_{isa}"), f"brgemm-{isa} prefetches nothing"
     assert prefetches("treeattn_native::(anonymous namespace)::run"), "the work-item loop prefetches nothing"
+
+
+def test_micro_kernels_keep_their_accumulators_in_registers():
+    """GCC 12 kept the accumulators of a P V block it left out of line in memory, a stack store per FMA in
+    its loop over keys (its stores, j outer, read as one copy of the accumulator array; the masked 2-vector
+    block on AVX2 ran its loop at a third of the rate of the same loop in registers). No loop of the ISA
+    paths' QK^T and P V blocks or panels left out of line may store a vector register to the stack (the
+    portable path's 8-float structs do not fit SSE's 16 registers: it spills by design)."""
+    kernels = {f: instructions for f, instructions in built_code().items()
+               if re.match(r"treeattn_native::(avx2|avx512)::(qk|pv)_(block|panel)<", f)}
+    if not kernels:
+        pytest.skip("the compiler inlined every QK^T and P V block: none to read on its own")
+    for function, instructions in kernels.items():
+        start = {address: i for i, (address, _) in enumerate(instructions)}
+        for i, (address, text) in enumerate(instructions):
+            back = re.match(r"j(?!mp)[a-z]+\s+([0-9a-f]+) <", text)
+            if back and int(back.group(1), 16) < address:  # a loop: a conditional branch back
+                body = [t for _, t in instructions[start[int(back.group(1), 16)]:i + 1]]
+                stores = [t for t in body if re.match(r"v?mov\w*\s+%[xyz]mm\d+,.*\(%r[sb]p\)", t)]
+                assert not stores, f"{function}: its loop stores vector registers to the stack: {stores[:4]}"
