@@ -196,9 +196,10 @@ static inline void pv_block(const float* vt, int64_t vs, int64_t c0, const float
       }
     }
   }
-  // Stored in the order qk_block stores (i, then j). With j outer, GCC 12 kept the accumulators of a
-  // block it left out of line in memory, a stack store per FMA: 3x slower in a harness; in the
-  // extension the masked 2-vector block (pv_block<4, 2, true>) was out of line.
+  // Stored in the order qk_block stores (i, then j). With j outer, GCC 12 also stored every accumulator
+  // of a block it left out of line to a stack copy on each key, read only by these stores (the masked
+  // 2-vector block; an unmasked one ran 3x slower in a harness): see
+  // test_micro_kernels_keep_their_accumulators_in_registers.
   for (int i = 0; i < DB; ++i)
     for (int j = 0; j < RV; ++j) V::store(ot + (c0 + i) * W + j * V::W, acc[i][j]);
 }
