@@ -120,7 +120,8 @@ def test_micro_kernels_keep_their_accumulators_in_registers():
         for i, (address, text) in enumerate(instructions):
             # A loop: a conditional branch back. Not jmp: the bf16 blocks jump back to a shared exit block.
             back = re.match(r"j(?!mp)[a-z]+\s+([0-9a-f]+) <", text)
-            if back and int(back.group(1), 16) in start and int(back.group(1), 16) < address:
-                body = [t for _, t in instructions[start[int(back.group(1), 16)]:i + 1]]
+            target = int(back.group(1), 16) if back else address
+            if target < address and target in start:
+                body = [t for _, t in instructions[start[target]:i + 1]]
                 stores = [t for t in body if re.match(rf"v?mov\w*\s+%[yz]mm\d+,.*\(({stack})\)", t)]
                 assert not stores, f"{function}: its loop stores vector registers to the stack: {stores[:4]}"
